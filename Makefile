@@ -1,0 +1,20 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Each creates the virtual environment and installs what is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test bench-smoke
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m thunder_memopt report
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --durations=15

@@ -1,0 +1,496 @@
+"""The memory model of a Thunder trace, shared by every pass and by the report.
+
+Given an execution trace (the forward or backward trace of a ``thunder.jit`` function), this module
+answers three questions with small dataclasses and pure functions, in the style of
+``torch/_inductor/memory.py``:
+
+* how many bytes each tensor proxy occupies, and which proxies share one storage (views);
+* when each storage is born and when it dies, and so the estimated peak of live bytes and the bound
+  symbol at which it occurs;
+* what the forward saves for backward: each tensor with its shape, dtype, bytes, producing op and
+  source line.
+
+Storages, not proxies, are the unit of memory: a view keeps its base alive, and saving a slice of
+``qkv`` costs the whole ``qkv``. Which ops return views is decided from the op names at every level of
+a bound symbol (executor symbols keep the ``ltorch``/``prims`` decomposition as subsymbols), and
+``reshape`` is a view only of a contiguous input, as in PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from thunder.core import prims
+from thunder.core.proxies import ProxyTag, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceTag
+
+__all__ = [
+    "TensorInfo",
+    "MemoryEstimate",
+    "SavedTensor",
+    "SavedInventory",
+    "StepEstimate",
+    "op_names",
+    "tensor_nbytes",
+    "storage_roots",
+    "estimate_memory",
+    "saved_for_backward",
+    "estimate_step",
+    "strip_deletions",
+    "is_bookkeeping",
+]
+
+# Bound symbols that allocate nothing and are not computation.
+_BOOKKEEPING_IDS = {
+    prims.PrimIDs.RETURN,
+    prims.PrimIDs.UNPACK_TRIVIAL,
+    prims.PrimIDs.UNPACK_SEQUENCE,
+    prims.PrimIDs.UNPACK_KEY,
+    prims.PrimIDs.UNPACK_EMPTY_DICT,
+    prims.PrimIDs.DEL,
+}
+_DELETION_NAMES = {"python_del", "del", "clear_mutable_collection"}
+
+# In-place ops return (an alias of) the argument at this position.
+_INPLACE_TARGET = {"copy_": 1}
+# Leaf ops that return a view of their first argument. Strides are simulated through them, so that
+# ``reshape`` counts as a view exactly when PyTorch can make it one (torch's computeStride).
+_VIEW_PRIMS = {
+    "broadcast_in_dim",
+    "transpose",
+    "slice_prim",
+    "torch_slice_prim_impl",
+    "squeeze",
+    "reshape",
+    "torch_prims_reshape_impl",
+    "shallow_copy",
+    "wait",
+    "torch_wait_prim_impl",
+}
+Strides = tuple[int, ...]
+
+
+def op_names(bsym: BoundSymbol) -> tuple[str, ...]:
+    """The names of a bound symbol and of its decomposition, outermost first."""
+    names = [bsym.sym.name]
+    for sub in bsym.subsymbols:
+        names.extend(op_names(sub))
+    return tuple(names)
+
+
+def is_bookkeeping(bsym: BoundSymbol) -> bool:
+    """Unpacking, return and deletion: symbols that compute nothing."""
+    return bsym.sym.id in _BOOKKEEPING_IDS or bsym.sym.name in _DELETION_NAMES
+
+
+def tensor_nbytes(t: TensorProxy) -> int:
+    """Bytes of a tensor proxy: numel times the dtype's width."""
+    return int(t.numel) * int(t.dtype.bytes)
+
+
+def tensor_args(bsym: BoundSymbol) -> list[TensorProxy]:
+    return [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+
+
+def tensor_outs(bsym: BoundSymbol) -> list[TensorProxy]:
+    return [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+
+
+def contiguous_strides(shape: Sequence[int]) -> Strides:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _reshape_strides(old_shape: Sequence[int], old_strides: Strides, new_shape: Sequence[int]) -> Strides | None:
+    """PyTorch's computeStride: the strides of a reshape that is a view, or None if it copies."""
+    if math.prod(old_shape) == 0 or not old_shape:
+        return contiguous_strides(new_shape)
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base_stride = old_strides[-1]
+    tensor_numel, view_numel = 1, 1
+    for tensor_d in range(len(old_shape) - 1, -1, -1):
+        tensor_numel *= old_shape[tensor_d]
+        if tensor_d == 0 or (
+            old_shape[tensor_d - 1] != 1 and old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride
+        ):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_base_stride
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride = old_strides[tensor_d - 1]
+                tensor_numel, view_numel = 1, 1
+    return tuple(new_strides) if view_d == -1 else None
+
+
+def _leaf_view_strides(bsym: BoundSymbol, inp: TensorProxy, in_strides: Strides, out: TensorProxy) -> Strides | None:
+    name = bsym.sym.name
+    shape = tuple(int(s) for s in inp.shape)
+    if name in {"shallow_copy", "wait", "torch_wait_prim_impl"}:
+        return in_strides
+    if name == "broadcast_in_dim":
+        out_shape, bdims = bsym.args[1], bsym.args[2]
+        strides = [0] * len(out_shape)
+        for j, d in enumerate(bdims):
+            strides[d] = in_strides[j] if shape[j] == out_shape[d] else 0
+        return tuple(strides)
+    if name == "transpose":
+        return tuple(in_strides[d] for d in bsym.args[1])
+    if name in {"slice_prim", "torch_slice_prim_impl"}:
+        steps = bsym.args[3] if len(bsym.args) > 3 and bsym.args[3] is not None else [1] * len(shape)
+        return tuple(s * st for s, st in zip(in_strides, steps))
+    if name == "squeeze":
+        dims = {d % len(shape) for d in bsym.args[1]}
+        return tuple(s for d, s in enumerate(in_strides) if d not in dims)
+    if name in {"reshape", "torch_prims_reshape_impl"}:
+        return _reshape_strides(shape, in_strides, tuple(int(s) for s in out.shape))
+    return None
+
+
+def view_strides(bsym: BoundSymbol, strides: dict[str, Strides]) -> dict[str, Strides] | None:
+    """The outputs' strides if the bound symbol returns views of its first tensor argument, else None.
+
+    Executor symbols (``Tensor.expand``, ``torch.unsqueeze``) keep their ltorch/prims decomposition
+    as subsymbols; such a symbol is a view when every step of its decomposition is one.
+    """
+    args, outs = tensor_args(bsym), tensor_outs(bsym)
+    if not args or not outs or args[0].name not in strides:
+        return None
+    if bsym.sym.name in _VIEW_PRIMS:
+        s = _leaf_view_strides(bsym, args[0], strides[args[0].name], outs[0])
+        return None if s is None else {outs[0].name: s}
+    if not bsym.subsymbols:
+        return None
+    local = dict(strides)
+    for sub in bsym.subsymbols:
+        sub_strides = view_strides(sub, local)
+        if sub_strides is None:
+            return None
+        local.update(sub_strides)
+    if not all(o.name in local for o in outs):
+        return None
+    return {o.name: local[o.name] for o in outs}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor proxy: its bytes and the storage it lives in."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    storage: str  # name of the proxy that allocated the storage
+    producer: str | None  # op name of the producing bound symbol, None for trace inputs
+    producer_index: int | None
+    source: str | None  # "file:line" of the user code that produced it
+
+
+def _source_of(bsym: BoundSymbol) -> str | None:
+    if bsym.source_filename is None:
+        return None
+    line = bsym.source_positions.lineno if bsym.source_positions is not None else "?"
+    return f"{bsym.source_filename}:{line}"
+
+
+def trace_inputs(trace: TraceCtx) -> list[TensorProxy]:
+    """The tensor proxies a trace receives: its arguments, including those inside collections."""
+    flat, _ = tree_flatten((trace.args, trace.kwargs))
+    return [a for a in flat if isinstance(a, TensorProxy)]
+
+
+def storage_roots(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None) -> dict[str, TensorInfo]:
+    """Every tensor proxy of the trace, keyed by name, with the storage it lives in.
+
+    ``bsyms`` replaces the trace's bound symbols (indices then refer to it).
+    """
+    inputs = trace_inputs(trace)
+    bsyms = trace.bound_symbols if bsyms is None else bsyms
+    infos: dict[str, TensorInfo] = {}
+    strides: dict[str, Strides] = {}
+
+    def add(t: TensorProxy, storage: str, producer: BoundSymbol | None, index: int | None) -> None:
+        if t.name in infos:
+            return
+        infos[t.name] = TensorInfo(
+            name=t.name,
+            shape=tuple(int(s) for s in t.shape),
+            dtype=str(t.dtype),
+            nbytes=tensor_nbytes(t),
+            storage=storage,
+            producer=None if producer is None else producer.sym.name,
+            producer_index=index,
+            source=None if producer is None else _source_of(producer),
+        )
+        strides.setdefault(t.name, contiguous_strides(t.shape))
+
+    for t in inputs:
+        add(t, t.name, None, None)
+    for i, bsym in enumerate(bsyms):
+        if is_bookkeeping(bsym):
+            # Unpacking in a backward trace introduces the saved tensors: they are inputs.
+            if bsym.sym.id in (prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.UNPACK_TRIVIAL):
+                for o in tensor_outs(bsym):
+                    add(o, o.name, None, None)
+            continue
+        if bsym.sym.name in _INPLACE_TARGET:
+            base = bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]
+            for o in tensor_outs(bsym):
+                add(o, infos[base.name].storage if base.name in infos else base.name, bsym, i)
+            continue
+        views = view_strides(bsym, strides)
+        base = tensor_args(bsym)[0] if views else None
+        for o in tensor_outs(bsym):
+            if views is not None and o.name in views and base.name in infos:
+                strides[o.name] = views[o.name]
+                add(o, infos[base.name].storage, bsym, i)
+            else:
+                add(o, o.name, bsym, i)
+    return infos
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Live bytes over a trace, at bound-symbol granularity."""
+
+    peak_bytes: int
+    peak_index: int  # index into the bound symbols (-1: the inputs alone)
+    peak_op: str | None
+    peak_source: str | None
+    live_bytes: tuple[int, ...]  # after each bound symbol, including its outputs
+    input_bytes: int  # bytes of the storages the trace receives
+    output_bytes: int  # bytes of the storages alive at the return
+
+    @property
+    def transient_peak_bytes(self) -> int:
+        """Peak above what the trace receives."""
+        return self.peak_bytes - self.input_bytes
+
+
+def _last_uses(bsyms: Sequence[BoundSymbol], infos: dict[str, TensorInfo]) -> dict[str, int]:
+    """Index of the last bound symbol that reads each storage (through any of its views)."""
+    last: dict[str, int] = {}
+    for i, bsym in enumerate(bsyms):
+        if bsym.sym.name in _DELETION_NAMES:
+            continue
+        for p in bsym.flat_proxy_args:
+            info = infos.get(getattr(p, "name", None))
+            if info is not None:
+                last[info.storage] = i
+    return last
+
+
+def estimate_memory(trace: TraceCtx, *, inputs_freed: bool | None = None) -> MemoryEstimate:
+    """Estimate the live bytes after every bound symbol of an execution trace.
+
+    A storage is live from the symbol that creates it to its last reader. The trace's inputs are
+    live from the start; they are freed after their last use only when ``inputs_freed`` (the
+    default for backward traces, whose saved tensors are released as they are consumed), and
+    otherwise held by the caller until the end. Anything the return statement reads stays live.
+    """
+    if inputs_freed is None:
+        inputs_freed = TraceTag.BACKWARD in trace.tags
+    bsyms = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
+    infos = storage_roots(trace, bsyms)
+    last = _last_uses(bsyms, infos)
+    storage_bytes = {i.storage: infos[i.storage].nbytes for i in infos.values()}
+    input_storages = {i.storage for i in infos.values() if i.producer_index is None}
+    returned = {infos[p.name].storage for p in (bsyms[-1].flat_proxy_args if bsyms else ())
+                if getattr(p, "name", None) in infos} if bsyms and bsyms[-1].sym.id == prims.PrimIDs.RETURN else set()
+
+    created_k = {
+        info.storage: info.producer_index
+        for info in infos.values()
+        if info.producer_index is not None and info.storage == info.name
+    }
+
+    n = len(bsyms)
+    delta = [0] * (n + 1)  # delta[k]: bytes allocated at symbol k; frees land at k+1
+    input_bytes = sum(storage_bytes[s] for s in input_storages)
+    for s, k in created_k.items():
+        delta[k] += storage_bytes[s]
+        end = n if s in returned else last.get(s, k)
+        if end < n:
+            delta[end + 1] -= storage_bytes[s]
+    if inputs_freed:
+        for s in input_storages:
+            if s in returned or s not in last:
+                continue
+            delta[last[s] + 1] -= storage_bytes[s]
+
+    live, cur = [], input_bytes
+    peak, peak_k = input_bytes, -1
+    for k in range(n):
+        cur += delta[k]
+        live.append(cur)
+        if cur > peak:
+            peak, peak_k = cur, k
+    output_bytes = sum(storage_bytes[s] for s in returned)
+    peak_bsym = bsyms[peak_k] if peak_k >= 0 else None
+    return MemoryEstimate(
+        peak_bytes=peak,
+        peak_index=peak_k,
+        peak_op=None if peak_bsym is None else peak_bsym.sym.name,
+        peak_source=None if peak_bsym is None else _source_of(peak_bsym),
+        live_bytes=tuple(live),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A tensor the forward returns for backward."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    storage: str
+    storage_nbytes: int
+    producer: str | None
+    source: str | None
+    is_parameter: bool
+
+
+@dataclass(frozen=True)
+class SavedInventory:
+    """What a forward trace saves for backward."""
+
+    tensors: tuple[SavedTensor, ...]
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved bytes de-duplicated by storage, parameters excluded."""
+        seen: dict[str, int] = {}
+        for t in self.tensors:
+            if not t.is_parameter:
+                seen[t.storage] = t.storage_nbytes
+        return sum(seen.values())
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum({t.storage: t.storage_nbytes for t in self.tensors if t.is_parameter}.values())
+
+    def by_source(self) -> list[tuple[str, str, int, int]]:
+        """(producing op, source line, bytes, count) for activations, largest first, storages once."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.is_parameter or t.storage in seen:
+                continue
+            seen.add(t.storage)
+            key = (t.producer or "input", t.source or "?")
+            g = groups.setdefault(key, [0, 0])
+            g[0] += t.storage_nbytes
+            g[1] += 1
+        rows = [(op, src, b, c) for (op, src), (b, c) in groups.items()]
+        return sorted(rows, key=lambda r: -r[2])
+
+
+def saved_proxies(forward_trace: TraceCtx) -> tuple[list, list]:
+    """The (tensors, others) that a forward trace returns for backward."""
+    ret = forward_trace.bound_symbols[-1]
+    if ret.sym.id != prims.PrimIDs.RETURN or TraceTag.AUGMENTED_FORWARD not in forward_trace.tags:
+        raise ValueError("not an augmented forward trace: it returns nothing for backward")
+    tensors, others = ret.args[1]
+    return list(tensors), list(others)
+
+
+def is_parameter(t: TensorProxy, parameter_names: Iterable[str] | None = None) -> bool:
+    """Module parameters and buffers are tagged STATIC_MEMORY_LOCATION by thunder.jit."""
+    if parameter_names is not None and t.name in parameter_names:
+        return True
+    return ProxyTag.STATIC_MEMORY_LOCATION in t.tags
+
+
+def saved_for_backward(forward_trace: TraceCtx, parameter_names: Iterable[str] | None = None) -> SavedInventory:
+    """The saved-for-backward inventory of an augmented forward trace."""
+    infos = storage_roots(forward_trace)
+    inputs = {t.name: t for t in trace_inputs(forward_trace)}
+    params = set(parameter_names or ())
+    tensors, _ = saved_proxies(forward_trace)
+    out = []
+    for t in tensors:
+        info = infos[t.name]
+        root = infos[info.storage]
+        base = inputs.get(info.storage)
+        param = is_parameter(t, params) or (base is not None and is_parameter(base, params))
+        out.append(
+            SavedTensor(
+                name=t.name,
+                shape=info.shape,
+                dtype=info.dtype,
+                nbytes=info.nbytes,
+                storage=info.storage,
+                storage_nbytes=root.nbytes,
+                producer=info.producer,
+                source=info.source,
+                is_parameter=param,
+            )
+        )
+    return SavedInventory(tuple(out))
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Forward then backward of one training step, activations only (parameters excluded)."""
+
+    forward: MemoryEstimate
+    backward: MemoryEstimate
+    saved: SavedInventory
+    peak_bytes: int
+    peak_phase: str  # "forward" or "backward"
+
+
+def estimate_step(forward_trace: TraceCtx, backward_trace: TraceCtx) -> StepEstimate:
+    """Peak live activation bytes over forward + backward, excluding what the caller holds.
+
+    Forward: live bytes above its inputs (parameters and batch). Backward: it receives the saved
+    tensors and the output gradients and frees them as they are consumed; its peak counts the saved
+    parameters' bytes only once (they are held by the module anyway), and the forward's outputs
+    stay alive until the backward begins.
+    """
+    fw = estimate_memory(forward_trace, inputs_freed=False)
+    bw = estimate_memory(backward_trace, inputs_freed=True)
+    saved = saved_for_backward(forward_trace)
+    fw_peak = fw.peak_bytes - fw.input_bytes
+    # The backward's inputs include saved parameters, which are not the step's allocation.
+    bw_peak = bw.peak_bytes - saved.parameter_bytes
+    if bw_peak > fw_peak:
+        return StepEstimate(fw, bw, saved, bw_peak, "backward")
+    return StepEstimate(fw, bw, saved, fw_peak, "forward")
+
+
+def strip_deletions(trace: TraceCtx) -> TraceCtx:
+    """A copy of the trace without ``del`` and ``clear_mutable_collection``, ready to reorder."""
+    from thunder.core.trace import from_trace
+
+    new = from_trace(trace)
+    new.bound_symbols = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
+    return new
+
+
+def replace_bound_symbols(trace: TraceCtx, bsyms: Sequence[BoundSymbol], provenance: str) -> TraceCtx:
+    """A copy of ``trace`` with new bound symbols, deletions re-inserted by ``del_last_used``."""
+    from thunder.core.trace import TraceProvenance, from_trace
+    from thunder.executors.passes import del_last_used
+
+    new = from_trace(trace)
+    new.bound_symbols = [b for b in bsyms if b.sym.name not in _DELETION_NAMES]
+    new.set_provenance(TraceProvenance(provenance))
+    is_backward = TraceTag.BACKWARD in trace.tags
+    out = del_last_used(new, clear_mutable_collections=is_backward)
+    out.set_provenance(TraceProvenance(provenance))
+    return out

@@ -1,0 +1,72 @@
+"""Narrowed litgpt models: the real architectures at a width that runs anywhere.
+
+The report, the examples, the tests and the benchmark all build their models here, so that "the
+narrowed stablecode" means one thing across the project.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["narrow_config", "build_model", "random_batch"]
+
+
+def narrow_config(
+    model_name: str,
+    *,
+    n_layer: int,
+    n_embd: int | None = None,
+    block_size: int | None = None,
+    head_size: int = 64,
+    vocab_size: int = 512,
+):
+    """A litgpt ``Config`` of ``model_name`` with ``n_layer`` layers and, if given, width ``n_embd``.
+
+    Narrowing keeps the architecture: head size, the ratio of query heads to key/value groups, the
+    MLP's expansion ratio, the norm, the rotary fraction and parallel residual. ``n_embd=None`` keeps
+    the real width (and the real vocabulary).
+    """
+    from litgpt import Config
+
+    base = Config.from_name(model_name)
+    overrides: dict = {"n_layer": n_layer}
+    if block_size is not None:
+        overrides["block_size"] = block_size
+    if n_embd is not None:
+        if n_embd % head_size:
+            raise ValueError(f"n_embd={n_embd} is not a multiple of head_size={head_size}")
+        n_head = n_embd // head_size
+        group_ratio = base.n_head // base.n_query_groups
+        n_query_groups = max(1, n_head // group_ratio)
+        ratio = base.intermediate_size / base.n_embd
+        intermediate = int(round(ratio * n_embd / 64)) * 64
+        overrides.update(
+            n_embd=n_embd,
+            n_head=n_head,
+            n_query_groups=n_query_groups,
+            head_size=head_size,
+            intermediate_size=intermediate,
+            vocab_size=vocab_size,
+            padded_vocab_size=vocab_size,
+        )
+        if base.moe_intermediate_size:
+            overrides["moe_intermediate_size"] = intermediate
+    return Config.from_name(model_name, **overrides)
+
+
+def build_model(config, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0):
+    """A litgpt GPT with deterministic initial weights."""
+    from litgpt import GPT
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT(config)
+    return model.to(dtype)
+
+
+def random_batch(config, *, batch_size: int, seq_len: int, device="cpu", seed: int = 0):
+    """Token ids and next-token targets drawn from the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=g)
+    tokens = tokens.to(device)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,0 +1,84 @@
+"""``MemoryOptimization``: the thunder.Transform that wires thunder_memopt's passes in order.
+
+Thunder hands every transform the forward trace and then the backward trace of each compiled
+function, after its own optimization and ``del_last_used``. The passes run there, in this order:
+
+1. ``recompute``: choose, by a min-cut over real tensor bytes, what the forward saves for backward,
+   and recompute the rest in the backward (thunder_memopt.recompute).
+
+The forward decides what the backward must recompute, so the plan made on a forward is handed to
+the backward that immediately follows it. The plan is keyed by the saved tensors' names and checked
+against the backward's inputs; ThunderCompiler shares one transform instance across all its
+subgraphs, and this keeps their forward/backward pairs apart.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.transform_common import Transform
+
+from thunder_memopt import recompute
+
+__all__ = ["MemoryOptimization", "PASSES"]
+
+PASSES = ("recompute",)
+
+
+class MemoryOptimization(Transform):
+    """Lower the activation memory of Thunder training steps.
+
+    Args:
+        activation_budget: in [0, 1], like torch's ``activation_memory_budget``. 1.0 saves what the
+            cheapest-bytes cut over cheap ops (elementwise, casts, views, norms, activations,
+            rotary) leaves; lower values also recompute matmuls and attention, cheapest FLOPs first,
+            down to 0.0, which saves only what cannot be recomputed (block inputs).
+        passes: which passes run, a subset of ``PASSES``.
+    """
+
+    def __init__(self, *, activation_budget: float = 1.0, passes: Sequence[str] = PASSES) -> None:
+        if isinstance(activation_budget, bool) or not isinstance(activation_budget, (int, float)):
+            raise TypeError(f"activation_budget must be a number in [0, 1], got {activation_budget!r}")
+        if not 0.0 <= float(activation_budget) <= 1.0:
+            raise ValueError(f"activation_budget must be in [0, 1], got {activation_budget}")
+        if isinstance(passes, str):
+            raise TypeError(f"passes must be a sequence of pass names, got the string {passes!r}")
+        unknown = [p for p in passes if p not in PASSES]
+        if unknown:
+            raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
+        self.activation_budget = float(activation_budget)
+        self.passes = tuple(p for p in PASSES if p in passes)
+        self._pending: recompute.RecomputePlan | None = None
+
+    def __repr__(self) -> str:
+        return f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
+
+    def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
+        if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
+            return self._forward(computation_trace)
+        if TraceTag.BACKWARD in computation_trace.tags:
+            return self._backward(computation_trace)
+        return computation_trace
+
+    def _forward(self, trace: TraceCtx) -> TraceCtx:
+        self._pending = None
+        if "recompute" not in self.passes:
+            return trace
+        try:
+            plan = recompute.plan_recompute(trace, activation_budget=self.activation_budget)
+            new_trace = recompute.apply_to_forward(trace, plan)
+        except Exception as e:  # the pass must never break a user's training
+            warnings.warn(f"thunder_memopt: recompute left this trace unchanged ({type(e).__name__}: {e})")
+            return trace
+        self._pending = plan
+        return new_trace
+
+    def _backward(self, trace: TraceCtx) -> TraceCtx:
+        plan, self._pending = self._pending, None
+        if plan is None:
+            return trace
+        # The forward was already changed; failing here would leave the pair inconsistent, so any
+        # mismatch is an error rather than a silent fallback.
+        return recompute.apply_to_backward(trace, plan)
