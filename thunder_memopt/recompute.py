@@ -1,0 +1,348 @@
+"""Recompute: choose what the forward saves for backward, and recompute the rest in the backward.
+
+Thunder saves every intermediate that a backward formula reads. Without nvFuser, LayerNorm, GELU
+and rotary are decomposed into upcast fp32 elementwise ops and each intermediate is saved; with
+nvFuser, Thunder's rematerialization still refuses values with several consumers, which is the
+parallel-residual block (``x + attn(n1(x)) + mlp(n2(x))``).
+
+This pass works on the executed forward trace, where the real ops and the real saved set are known.
+It builds the forward's data-flow graph and finds a minimum cut between what the forward must
+compute (its inputs and the outputs of ops that must not be recomputed) and what the backward reads
+(the saved set), weighting each tensor by the bytes of its storage. Tensors on the cut are saved;
+the cheap ops behind the cut are replayed in the backward, each just before its first reader, from
+the same executor symbols that ran in the forward, so numerics are unchanged.
+
+Which ops may be replayed depends on ``activation_budget`` (see ``op_kind``): at 1.0 cheap ops only
+(elementwise, casts, views, norms, activations, rotary, masks); below it also matmuls and attention,
+the cheapest FLOPs first, until the saved bytes fall to the budget's share between the two extremes.
+Random ops, collectives, in-place ops and anything not recognised are never replayed: they are
+saved, as before.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceTag, from_trace, TraceProvenance
+from thunder.core.transforms import (
+    _update_backward_with_new_saved_for_backward,
+    _update_forward_with_new_saved_for_backward,
+)
+
+from thunder_memopt.memory import (
+    is_bookkeeping,
+    is_parameter,
+    op_names,
+    replace_bound_symbols,
+    saved_proxies,
+    storage_roots,
+    strip_deletions,
+    tensor_args,
+    tensor_outs,
+    trace_inputs,
+)
+
+__all__ = ["OpKind", "op_kind", "RecomputePlan", "plan_recompute", "apply_to_forward", "apply_to_backward"]
+
+
+class OpKind(enum.Enum):
+    CHEAP = "cheap"  # replayed at any budget
+    EXPENSIVE = "expensive"  # replayed only below budget 1.0
+    NEVER = "never"  # always saved
+
+
+_NEVER_NAMES = {
+    # random: replaying would draw new numbers
+    "uniform", "uniform_philox", "bernoulli", "randn", "rand", "rand_like", "randn_like", "randint",
+    "normal", "multinomial", "dropout", "get_and_update_rng_state", "get_rng_state", "set_rng_state",
+    # collectives and their futures
+    "all_gather", "all_reduce", "reduce_scatter", "broadcast", "wait", "synchronize", "send", "recv",
+    "torch_wait_prim_impl", "torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl",
+    "torch_all_reduce_prim_impl", "pack", "unpack", "update_bucket_view",
+    # in-place and side effects
+    "copy_", "copy_with_setitem", "print", "item",
+}
+_EXPENSIVE_NAMES = {
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "convolution", "conv1d", "conv2d",
+    "conv3d", "scaled_dot_product_attention", "softmax", "_softmax", "log_softmax", "_log_softmax",
+    "embedding", "cross_entropy",
+}
+_CHEAP_LEAVES = {
+    # elementwise
+    "add", "sub", "mul", "div", "true_divide", "floor_divide", "neg", "abs", "exp", "exp2", "expm1",
+    "log", "log1p", "log2", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "erfc", "sin",
+    "cos", "pow", "maximum", "minimum", "clamp", "where", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
+    "convert_element_type", "sign", "signbit", "fmod", "remainder", "floor", "ceil", "round", "trunc",
+    "silu", "gelu", "relu", "tril", "triu", "masked_fill",
+    # views and data movement
+    "broadcast_in_dim", "reshape", "transpose", "slice", "slice_prim", "squeeze", "shallow_copy",
+    "cat", "pad", "flip", "expand", "unsqueeze", "permute", "split", "contiguous", "clone",
+    # creation without randomness
+    "iota", "full", "full_like", "zeros", "ones", "arange",
+    # reductions used by norms
+    "var_mean", "sum", "amax", "amin", "mean", "var",
+}
+
+
+def _normalized(name: str) -> str:
+    """``torch_slice_prim_impl`` -> ``slice``, ``torch_prims_reshape_impl`` -> ``reshape``."""
+    for prefix in ("torch_prims_", "torch_", "prims_"):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    for suffix in ("_prim_impl", "_impl"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return name
+
+
+def _leaf_names(bsym: BoundSymbol) -> list[str]:
+    if not bsym.subsymbols:
+        return [_normalized(bsym.sym.name)]
+    return [n for sub in bsym.subsymbols for n in _leaf_names(sub)]
+
+
+def op_kind(bsym: BoundSymbol) -> OpKind:
+    """Whether a bound symbol may be replayed in the backward, and at which budgets."""
+    names = {_normalized(n) for n in op_names(bsym)} | set(op_names(bsym))
+    if names & _NEVER_NAMES or any("rng" in n or "random" in n for n in names):
+        return OpKind.NEVER
+    if any(p for p in bsym.flat_proxy_args if not isinstance(p, TensorProxy)):
+        # A number computed in the forward would not exist in the backward.
+        return OpKind.NEVER
+    if names & _EXPENSIVE_NAMES or any("sdpa" in n or "attention" in n or "flash" in n for n in names):
+        return OpKind.EXPENSIVE
+    if all(n in _CHEAP_LEAVES for n in _leaf_names(bsym)):
+        return OpKind.CHEAP
+    return OpKind.NEVER
+
+
+def estimate_flops(bsym: BoundSymbol) -> int:
+    """Rough FLOPs of an expensive op: 2 x output elements x reduction length."""
+    args, outs = tensor_args(bsym), tensor_outs(bsym)
+    if not outs:
+        return 0
+    out_numel = sum(int(o.numel) for o in outs)
+    names = set(op_names(bsym))
+    if names & {"scaled_dot_product_attention"} or any("sdpa" in n or "attention" in n for n in names):
+        q = args[0]
+        seq_k = int(args[1].shape[-2]) if len(args) > 1 else int(q.shape[-2])
+        return 4 * int(q.numel) * seq_k
+    if args and len(args[0].shape) > 0 and names & {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}:
+        return 2 * out_numel * int(args[0].shape[-1])
+    return out_numel
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """What a forward saves after the pass, and what its backward recomputes."""
+
+    key: tuple[str, ...]  # the forward's original saved tensors: the backward's inputs
+    saved: tuple[TensorProxy, ...]  # the new saved tensors
+    recompute: tuple[BoundSymbol, ...]  # forward symbols to replay in backward, in forward order
+    saved_bytes_before: int  # storages, parameters excluded
+    saved_bytes_after: int
+
+    @property
+    def recomputed_names(self) -> frozenset[str]:
+        return frozenset(o.name for b in self.recompute for o in tensor_outs(b))
+
+
+@dataclass(frozen=True)
+class _ForwardGraph:
+    bsyms: tuple[BoundSymbol, ...]  # computation only, in forward order
+    producer: dict[str, int]  # tensor name -> index into bsyms
+    kinds: tuple[OpKind, ...]
+    cost: dict[str, int]  # bytes of keeping a tensor alive until backward
+    inputs: frozenset[str]
+    needed: tuple[TensorProxy, ...]  # the original saved tensors
+
+
+def _forward_graph(trace: TraceCtx) -> _ForwardGraph:
+    bsyms = tuple(b for b in strip_deletions(trace).bound_symbols if not is_bookkeeping(b))
+    infos = storage_roots(trace)
+    inputs = trace_inputs(trace)
+    params = {t.name for t in inputs if is_parameter(t)}
+    producer = {o.name: i for i, b in enumerate(bsyms) for o in tensor_outs(b)}
+    cost = {}
+    for name, info in infos.items():
+        root = info.storage
+        cost[name] = 0 if root in params else infos[root].nbytes
+    needed, _ = saved_proxies(trace)
+    return _ForwardGraph(
+        bsyms=bsyms,
+        producer=producer,
+        kinds=tuple(op_kind(b) for b in bsyms),
+        cost=cost,
+        inputs=frozenset(t.name for t in inputs),
+        needed=tuple(needed),
+    )
+
+
+def _min_cut_saved(g: _ForwardGraph, replayable: Sequence[bool]) -> set[str]:
+    """The cheapest set of tensors to save so that the backward's needs can be recomputed.
+
+    Each tensor is an edge ``t.in -> t.out`` of capacity its bytes; a replayable op connects its
+    inputs' ``out`` to its outputs' ``in``; inputs and non-replayable outputs hang off the source,
+    and the backward's needs off the sink. Tensors whose edge crosses the cut are saved.
+    """
+    graph = nx.DiGraph()
+    for name in g.cost:
+        graph.add_edge((name, 0), (name, 1), capacity=g.cost[name])
+    for name in g.inputs:
+        graph.add_edge("source", (name, 0))
+    for i, b in enumerate(g.bsyms):
+        outs = tensor_outs(b)
+        if not replayable[i]:
+            for o in outs:
+                graph.add_edge("source", (o.name, 0))
+            continue
+        for a in tensor_args(b):
+            for o in outs:
+                if a.name != o.name:
+                    graph.add_edge((a.name, 1), (o.name, 0))
+    for t in g.needed:
+        graph.add_edge((t.name, 1), "sink")
+    _, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+    return {name for name in g.cost if (name, 0) in reachable and (name, 1) not in reachable}
+
+
+def _closure(g: _ForwardGraph, saved: set[str], replayable: Sequence[bool]) -> tuple[set[str], set[int]]:
+    """Complete a saved set: replay what is missing where allowed, save it otherwise."""
+    saved = set(saved)
+    replay: set[int] = set()
+    stack = [t.name for t in g.needed]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name in saved:
+            continue
+        seen.add(name)
+        i = g.producer.get(name)
+        if i is None or not replayable[i]:
+            saved.add(name)
+            continue
+        replay.add(i)
+        stack.extend(a.name for a in tensor_args(g.bsyms[i]))
+    return saved, replay
+
+
+def _saved_bytes(g: _ForwardGraph, saved: set[str], infos) -> int:
+    return sum({infos[n].storage: g.cost[n] for n in saved}.values())
+
+
+def _solve(g: _ForwardGraph, replayable: Sequence[bool], infos) -> tuple[set[str], set[int], int]:
+    saved, replay = _closure(g, _min_cut_saved(g, replayable), replayable)
+    return saved, replay, _saved_bytes(g, saved, infos)
+
+
+def plan_recompute(forward_trace: TraceCtx, *, activation_budget: float = 1.0) -> RecomputePlan:
+    """Choose the saved set of an augmented forward trace (see the module docstring)."""
+    g = _forward_graph(forward_trace)
+    infos = storage_roots(forward_trace)
+    cheap = [k is OpKind.CHEAP for k in g.kinds]
+    before = _saved_bytes(g, {t.name for t in g.needed}, infos)
+    saved, replay, after = _solve(g, cheap, infos)
+    if activation_budget < 1.0:
+        saved, replay, after = _solve_with_budget(g, cheap, infos, activation_budget, (saved, replay, after))
+    if after > before:  # never save more than Thunder did
+        saved, replay, after = {t.name for t in g.needed}, set(), before
+    by_name = {t.name: t for t in g.needed}
+    for b in g.bsyms:
+        by_name.update((o.name, o) for o in tensor_outs(b))
+    inputs = {t.name: t for t in trace_inputs(forward_trace)}
+    by_name.update(inputs)
+    order = [t.name for t in g.needed if t.name in saved]
+    order += sorted(saved - set(order), key=lambda n: g.producer.get(n, -1))
+    return RecomputePlan(
+        key=tuple(t.name for t in g.needed),
+        saved=tuple(by_name[n] for n in order),
+        recompute=tuple(g.bsyms[i] for i in sorted(replay)),
+        saved_bytes_before=before,
+        saved_bytes_after=after,
+    )
+
+
+def _solve_with_budget(g, cheap, infos, budget, default):
+    """Also replay expensive ops, cheapest FLOPs first, until saved bytes meet the budget.
+
+    The budget is the share of the way from the fewest saved bytes (everything replayable) to the
+    default (cheap ops only). Allowing more ops can only lower the min cut, so the shortest prefix
+    of the FLOPs order that meets the target is found by bisection.
+    """
+    expensive = sorted((i for i, k in enumerate(g.kinds) if k is OpKind.EXPENSIVE), key=lambda i: estimate_flops(g.bsyms[i]))
+
+    def with_prefix(n: int):
+        allowed = list(cheap)
+        for i in expensive[:n]:
+            allowed[i] = True
+        return _solve(g, allowed, infos)
+
+    floor = with_prefix(len(expensive))
+    target = floor[2] + budget * (default[2] - floor[2])
+    lo, hi = 0, len(expensive)
+    best = default if default[2] <= target else floor
+    while lo < hi:
+        mid = (lo + hi) // 2
+        cand = with_prefix(mid)
+        if cand[2] <= target:
+            best, hi = cand, mid
+        else:
+            lo = mid + 1
+    return best
+
+
+def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
+    """The forward trace saving ``plan.saved`` instead of its original set."""
+    new = strip_deletions(forward_trace)
+    _, others = saved_proxies(forward_trace)
+    _update_forward_with_new_saved_for_backward(new, [*plan.saved, *others])
+    return replace_bound_symbols(new, new.bound_symbols, "thunder_memopt recompute: new saved set (forward)")
+
+
+def apply_to_backward(backward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
+    """The backward trace receiving ``plan.saved`` and replaying ``plan.recompute`` as needed."""
+    if TraceTag.BACKWARD not in backward_trace.tags:
+        raise ValueError("apply_to_backward needs a backward trace")
+    saved_tensors, saved_others = backward_trace.args[0]
+    received = tuple(t.name for t in saved_tensors)
+    if received != plan.key:
+        raise RuntimeError(
+            "thunder_memopt: the backward trace does not receive the tensors its forward saved "
+            f"({len(received)} received, {len(plan.key)} saved); refusing to recompute"
+        )
+    new = strip_deletions(backward_trace)
+    _update_backward_with_new_saved_for_backward(new, [*plan.saved, *saved_others])
+    producer = {o.name: b for b in plan.recompute for o in tensor_outs(b)}
+    position = {id(b): i for i, b in enumerate(plan.recompute)}
+    emitted: set[int] = set()
+    out: list[BoundSymbol] = []
+    for bsym in new.bound_symbols:
+        pending = _replay_chain(bsym, producer, emitted)
+        for b in sorted(pending, key=lambda b: position[id(b)]):
+            emitted.add(id(b))
+            out.append(b.from_bsym())
+        out.append(bsym)
+    new.bound_symbols = out
+    return replace_bound_symbols(new, out, "thunder_memopt recompute: replay in backward")
+
+
+def _replay_chain(bsym: BoundSymbol, producer: dict[str, BoundSymbol], emitted: set[int]) -> list[BoundSymbol]:
+    """The not-yet-emitted replayed symbols that ``bsym`` needs, transitively."""
+    chain: dict[int, BoundSymbol] = {}
+    stack = [a.name for a in bsym.flat_proxy_args if hasattr(a, "name")]
+    while stack:
+        p = producer.get(stack.pop())
+        if p is None or id(p) in emitted or id(p) in chain:
+            continue
+        chain[id(p)] = p
+        stack.extend(a.name for a in tensor_args(p))
+    return list(chain.values())
