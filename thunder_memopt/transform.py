@@ -5,6 +5,8 @@ function, after its own optimization and ``del_last_used``. The passes run there
 
 1. ``recompute``: choose, by a min-cut over real tensor bytes, what the forward saves for backward,
    and recompute the rest in the backward (thunder_memopt.recompute).
+2. ``collectives``: for thunder fsdp, just-in-time all-gathers, ZeRO-3 re-gathers in backward and
+   early reduce-scatters (thunder_memopt.collectives).
 
 The forward decides what the backward must recompute, so the plan made on a forward is handed to
 the backward that immediately follows it. The plan is keyed by the saved tensors' names and checked
@@ -20,11 +22,11 @@ from collections.abc import Sequence
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_memopt import recompute
+from thunder_memopt import collectives, recompute
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
-PASSES = ("recompute",)
+PASSES = ("recompute", "collectives")
 
 
 class MemoryOptimization(Transform):
@@ -36,9 +38,18 @@ class MemoryOptimization(Transform):
             rotary) leaves; lower values also recompute matmuls and attention, cheapest FLOPs first,
             down to 0.0, which saves only what cannot be recomputed (block inputs).
         passes: which passes run, a subset of ``PASSES``.
+        prefetch: all-gathers issued ahead of the one being waited on (thunder fsdp).
+        zero3: save shards and re-gather in backward; None detects ``FSDPType.ZERO3``.
     """
 
-    def __init__(self, *, activation_budget: float = 1.0, passes: Sequence[str] = PASSES) -> None:
+    def __init__(
+        self,
+        *,
+        activation_budget: float = 1.0,
+        passes: Sequence[str] = PASSES,
+        prefetch: int = 2,
+        zero3: bool | None = None,
+    ) -> None:
         if isinstance(activation_budget, bool) or not isinstance(activation_budget, (int, float)):
             raise TypeError(f"activation_budget must be a number in [0, 1], got {activation_budget!r}")
         if not 0.0 <= float(activation_budget) <= 1.0:
@@ -51,15 +62,16 @@ class MemoryOptimization(Transform):
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
         self._pending: recompute.RecomputePlan | None = None
+        self._collectives = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
 
     def __repr__(self) -> str:
         return f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
-            return self._forward(computation_trace)
+            return self._collectives_forward(self._forward(computation_trace))
         if TraceTag.BACKWARD in computation_trace.tags:
-            return self._backward(computation_trace)
+            return self._collectives_backward(self._backward(computation_trace))
         return computation_trace
 
     def _forward(self, trace: TraceCtx) -> TraceCtx:
@@ -82,3 +94,15 @@ class MemoryOptimization(Transform):
         # The forward was already changed; failing here would leave the pair inconsistent, so any
         # mismatch is an error rather than a silent fallback.
         return recompute.apply_to_backward(trace, plan)
+
+    def _collectives_forward(self, trace: TraceCtx) -> TraceCtx:
+        if "collectives" not in self.passes:
+            return trace
+        try:
+            return self._collectives.forward(trace)
+        except Exception as e:  # the pass must never break a user's training
+            warnings.warn(f"thunder_memopt: collectives left this trace unchanged ({type(e).__name__}: {e})")
+            return trace
+
+    def _collectives_backward(self, trace: TraceCtx) -> TraceCtx:
+        return self._collectives.backward(trace) if "collectives" in self.passes else trace
