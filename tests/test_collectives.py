@@ -86,3 +86,33 @@ def test_thunder_fsdp_report_peaks(thunder_fsdp):
         assert r["peaks"]["bw"]["max_unsharded_grad_bytes"] < r["peaks"]["ref_bw"]["max_unsharded_grad_bytes"] / 2
     zero3 = thunder_fsdp["ZERO3"]["peaks"]
     assert zero3["fw"]["unsharded_param_bytes"] < zero3["ref_fw"]["unsharded_param_bytes"] / 2
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> dict:
+    return _torchrun("fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"))
+
+
+@pytest.mark.parametrize("mode", ["zero2", "zero3", "zero3_hooks_traced"])
+def test_fsdp2_thunderfx_loss_and_sharded_grads_match_eager(fsdp2, mode):
+    r = fsdp2[mode]
+    assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
+    assert r["max_grad_diff"] < 1e-5
+
+
+def test_functional_collectives_are_kept_out_of_thunder():
+    import torch
+    import torch.fx
+
+    from thunder_memopt.collectives import keep_collectives_out_of_thunder
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    gathered = g.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 2, "0"))
+    waited = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (gathered,))
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (waited, 2)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert keep_collectives_out_of_thunder(gm) == 2
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert all(t.__name__.startswith("thunder_memopt_outside_thunder") for t in targets[:2])
+    assert targets[2] is torch.ops.aten.mul.Tensor

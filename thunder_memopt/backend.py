@@ -3,12 +3,18 @@
 ThunderCompiler appends its own transform to the list it is given and shares the transform
 instances across every dynamo subgraph. This helper gives it a fresh list, so the caller's list is
 never mutated.
+
+With ``torch._dynamo.config.skip_fsdp_hooks=False`` FSDP2's functional collectives reach the
+backend, and Thunder maps ``wait_tensor`` to identity: the results are wrong. The backend hides
+those nodes from Thunder (thunder_memopt.collectives.keep_collectives_out_of_thunder), so its
+splitter hands them to inductor, which implements them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from thunder_memopt.collectives import keep_collectives_out_of_thunder
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = ["thunderfx_backend"]
@@ -20,4 +26,11 @@ def thunderfx_backend(memory_optimization: MemoryOptimization | None = None, **t
 
     transform = memory_optimization if memory_optimization is not None else MemoryOptimization()
     transforms = [transform, *thunder_options.pop("transforms", [])]
-    return ThunderCompiler(transforms=transforms, **thunder_options)
+    compiler = ThunderCompiler(transforms=transforms, **thunder_options)
+
+    def backend(gm, example_inputs):
+        keep_collectives_out_of_thunder(gm)
+        return compiler(gm, example_inputs)
+
+    backend.compiler = compiler  # subgraph_infos and traces stay reachable
+    return backend

@@ -7,7 +7,6 @@ asserts on it.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -18,6 +17,7 @@ from thunder.distributed import FSDPType, fsdp
 
 from thunder_memopt.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, collective_bytes_at_peak
 from thunder_memopt.memory import saved_for_backward, storage_roots, strip_deletions, tensor_args
+from _common import finish, max_grad_diff
 from thunder_memopt.models import build_model, narrow_config, random_batch
 from thunder_memopt.transform import MemoryOptimization
 
@@ -69,13 +69,6 @@ def saved_unsharded(fw) -> list[str]:
     return [t.name for t in saved_for_backward(fw).tensors if infos[t.name].storage in gathered]
 
 
-def max_grad_diff(ref: dict, got: dict) -> float:
-    local = max((ref[n] - got[n]).abs().max().item() for n in ref)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)
-    return max(out)
-
-
 def main(path: str) -> None:
     dist.init_process_group("gloo")
     results = {}
@@ -95,10 +88,7 @@ def main(path: str) -> None:
                 for name, t in (("ref_fw", ref_fw), ("fw", fw), ("ref_bw", ref_bw), ("bw", bw))
             },
         }
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    finish(path, results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+"""What both torchrun workers share: the cross-rank gradient comparison and the rank-0 JSON report."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+
+def max_grad_diff(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    """The largest difference between this rank's gradient shards, over every rank."""
+    local = max((ref[n] - got[n]).abs().max().item() for n in ref)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return max(out)
+
+
+def finish(path: str, results: dict) -> None:
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
