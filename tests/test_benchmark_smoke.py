@@ -1,0 +1,141 @@
+"""CPU smoke test of benchmarks/benchmark_fsdp2.py, end to end under torchrun (gloo, 2 ranks).
+
+A tiny narrowed model (2 layers, n_embd 256, T=128) goes through eager, thunder and thunder+memopt
+under FSDP2, each backend in its own fresh torchrun as on the GPU host; the JSON rows must be
+complete and the backends' losses must agree. The search and the outcome classification, which
+need no model, are checked directly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import benchmark_fsdp2  # noqa: E402
+import make_table  # noqa: E402
+
+SMOKE_BACKENDS = ("eager", "thunder", "thunder+memopt")
+REQUIRED_KEYS = {
+    "backend", "budget", "model", "n_layer", "n_embd", "block_size", "micro_batch_size", "distributed_mode",
+    "shard_mode", "world_size", "gpu", "torch", "thunder", "litgpt", "date", "status", "loss", "step_ms",
+    "tokens_per_s_per_gpu", "first_step_s", "saved_bytes_per_layer", "saved_h_bytes", *benchmark_fsdp2.MEMORY_FIELDS,
+}
+BF16_LOSS_RTOL = 0.02
+SMOKE_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[list[dict], str, Path]:
+    """The rows, the printed output and the --out path of one small CPU run."""
+    work = tmp_path_factory.mktemp("benchmark")
+    out = work / "results.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(BENCHMARKS / "benchmark_fsdp2.py"), "--compile", *SMOKE_BACKENDS, "--n-layer", "2",
+               "--n-embd", "256", "--block-size", "128", "--warmup", "1", "--iters", "2", "--profile",
+               "--out", str(out)]
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=work, timeout=SMOKE_TIMEOUT_S)
+    assert finished.returncode == 0, finished.stdout[-4000:] + finished.stderr[-4000:]
+    return make_table.load_rows([out]), finished.stdout, out
+
+
+def test_a_row_per_backend_with_every_field(smoke_run):
+    rows, _, _ = smoke_run
+    assert [row["backend"] for row in rows] == list(SMOKE_BACKENDS)
+    for row in rows:
+        assert REQUIRED_KEYS <= row.keys(), REQUIRED_KEYS - row.keys()
+        assert row["status"] == "ok", row.get("error")
+        assert (row["distributed_mode"], row["shard_mode"], row["world_size"]) == ("fsdp2", "zero2", 2)
+        assert (row["n_layer"], row["n_embd"], row["block_size"], row["gpu"]) == (2, 256, 128, "cpu")
+        assert row["step_ms"] > 0 and row["tokens_per_s_per_gpu"] > 0 and row["saved_bytes_per_layer"] > 0
+        # No CUDA allocator on CPU: the memory fields are null, not made up.
+        assert all(row[field] is None for field in benchmark_fsdp2.MEMORY_FIELDS)
+        assert row["profile"]["top_cpu_ms"] and row["profile"]["gpu_busy_fraction"] is None
+    assert rows[-1]["budget"] == 1.0
+
+
+def test_backends_agree_on_the_loss(smoke_run):
+    rows, printed, _ = smoke_run
+    eager = rows[0]["loss"]
+    for row in rows[1:]:
+        assert row["loss"] == pytest.approx(eager, rel=BF16_LOSS_RTOL), row["backend"]
+    assert "WARNING" not in printed
+
+
+def test_a_loss_apart_gets_a_warning(capsys):
+    row = {"row_type": "run", "block_size": 128, "budget": None, "model": "m", "n_layer": 2, "n_embd": 256}
+    rows = [{**row, "backend": "eager", "loss": 6.25}, {**row, "backend": "thunder", "loss": 6.25 * 1.03}]
+    benchmark_fsdp2.warn_on_loss_disagreement(rows, rtol=BF16_LOSS_RTOL)
+    assert capsys.readouterr().out.startswith("WARNING: loss of thunder at T=128")
+
+
+def test_table_printed_and_plot_written(smoke_run, tmp_path):
+    rows, printed, out = smoke_run
+    assert make_table.markdown(rows) in printed
+    assert "| 128 | thunder+memopt @1 | ok |" in printed
+    assert out.with_suffix(".png").stat().st_size > 0
+    plot = tmp_path / "plot.png"
+    table = subprocess.run([sys.executable, str(BENCHMARKS / "make_table.py"), str(out), "--plot", str(plot)],
+                           capture_output=True, text=True, check=True).stdout
+    assert table.strip() == make_table.markdown(rows)
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("largest_fitting", "start", "expected"),
+    [
+        (45_000, 8192, (44_032, 45_056)),  # doubles to 65536, then bisects
+        (3_000, 8192, (2048, 3072)),  # halves to 2048, then bisects
+        (500, 1024, (None, 1024)),  # nothing fits
+        (10**9, 8192, (131_072, None)),  # everything up to the limit fits
+    ],
+)
+def test_search_doubles_then_bisects(largest_fitting, start, expected):
+    probed = []
+
+    def fits(block_size: int) -> bool:
+        assert block_size % 1024 == 0 and block_size not in probed
+        probed.append(block_size)
+        return block_size <= largest_fitting
+
+    assert benchmark_fsdp2.find_max_block_size(fits, start, granularity=1024, limit=131_072) == expected
+    assert len(probed) <= 12
+
+
+def test_outcome_is_oom_when_any_rank_ran_out_of_memory(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("worker output\n")
+    (tmp_path / "rank0.json").write_text(json.dumps({"status": "error", "error": "peer gone", "phase": "train"}))
+    (tmp_path / "rank1.json").write_text(json.dumps({"status": "OOM", "error": "CUDA out of memory", "phase": "train"}))
+    assert benchmark_fsdp2.trial_outcome(tmp_path, 1, 60, log) == {"status": "OOM", "error": "CUDA out of memory"}
+    # A peer left hanging in a collective until the timeout does not hide the OOM.
+    assert benchmark_fsdp2.trial_outcome(tmp_path, None, 60, log)["status"] == "OOM"
+
+
+def test_outcome_without_any_report_is_a_timeout_or_an_error(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("Segmentation fault\n")
+    assert benchmark_fsdp2.trial_outcome(tmp_path, None, 60, log)["status"] == "timeout"
+    outcome = benchmark_fsdp2.trial_outcome(tmp_path, -11, 60, log)
+    assert outcome["status"] == "error" and "Segmentation fault" in outcome["error"]
+
+
+def test_a_failed_saved_bytes_measurement_keeps_the_row(tmp_path):
+    (tmp_path / "result.json").write_text(json.dumps({"status": "ok", "loss": 6.25}))
+    failure = {"status": "OOM", "error": "out of memory", "phase": "saved-activations"}
+    (tmp_path / "rank0.json").write_text(json.dumps(failure))
+    outcome = benchmark_fsdp2.trial_outcome(tmp_path, 1, 60, tmp_path / "log")
+    assert outcome == {"status": "ok", "loss": 6.25, "saved_error": "OOM: out of memory"}
+
+
+def test_tables_show_the_latest_row_of_a_measurement():
+    row = {"row_type": "run", "block_size": 128, "budget": None, "model": "m", "n_layer": 2, "n_embd": 256}
+    rows = [{**row, "backend": "thunder", "status": "error"}, {**row, "backend": "eager", "status": "ok"},
+            {**row, "backend": "thunder", "status": "ok"}]
+    assert make_table.latest(rows) == [rows[2], rows[1]]
