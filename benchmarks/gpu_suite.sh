@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The committed GPU benchmark runs (2 x H200), in groups small enough for 10-minute commands.
+#
+#   benchmarks/gpu_suite.sh GROUP [OUT_DIR]        OUT_DIR defaults to benchmarks/results
+#
+# Every group runs with --resume and --time-limit (default 9 minutes, TIME_LIMIT_MIN): it starts no
+# trial that may not end in time. Exit code 3 means the group is not finished: run the same command
+# again and it carries on from the rows already in OUT_DIR. Exit code 0: the group is complete.
+#
+# Groups (each row in fresh processes; see benchmarks/README.md for times):
+#   sc-8k-zero2 sc-8k-zero3 sc-16k-zero2 sc-16k-zero3
+#                   stablecode-completion-alpha-3b, 8 layers, T=8192/16384, zero2/zero3, every backend
+#   llama3-8b       Llama-3-8B, 4 layers, T=8192, zero2, every backend
+#   maxT-inductor maxT-thunder maxT-memopt
+#                   longest T that fits: stablecode, 32 layers, zero2 (doubling from 16384, then bisection to 1024)
+#   memopt-budgets  optional: thunder+memopt at budgets 1.0, 0.5 and 0.0, stablecode 8 layers, T=16384, zero2
+#   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
+set -euo pipefail
+
+GROUP=${1:?usage: benchmarks/gpu_suite.sh GROUP [OUT_DIR]}
+OUT=${2:-benchmarks/results}
+PYTHON=${PYTHON:-python}
+TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-9}
+ALL_BACKENDS=(eager eager-ac inductor inductor-budget thunder thunder+memopt)
+
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+
+# The driver runs as plain python (it starts a fresh torchrun of 2 ranks per row), so that its
+# exit code 3 reaches this script; under an outer torchrun it would read as a failed worker.
+bench() {
+    "$PYTHON" benchmarks/benchmark_fsdp2.py --nproc-per-node 2 --resume --time-limit "$TIME_LIMIT_MIN" "$@"
+}
+
+stablecode_8_layers() {  # block size, shard mode, then more options
+    local block_size=$1 shard_mode=$2
+    shift 2
+    bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size "$block_size" \
+        --shard-mode "$shard_mode" --out "$OUT/stablecode_8l_$shard_mode.jsonl" "$@"
+}
+
+longest_block_size() {  # backend
+    bench --model-name stablecode-completion-alpha-3b --n-layer 32 --shard-mode zero2 --compile "$1" \
+        --find-max-block-size --block-size 16384 --search-granularity 1024 --warmup 1 --iters 1 \
+        --out "$OUT/stablecode_32l_zero2_max_block_size.jsonl"
+}
+
+tables() {
+    local rows
+    for rows in "$OUT"/*.jsonl; do
+        "$PYTHON" benchmarks/make_table.py "$rows" --plot "${rows%.jsonl}.png" > "${rows%.jsonl}.md"
+    done
+    "$PYTHON" benchmarks/make_table.py "$OUT"/*.jsonl > "$OUT/table.md"
+}
+
+case "$GROUP" in
+    sc-8k-zero2) stablecode_8_layers 8192 zero2 --compile "${ALL_BACKENDS[@]}" ;;
+    sc-8k-zero3) stablecode_8_layers 8192 zero3 --compile "${ALL_BACKENDS[@]}" ;;
+    sc-16k-zero2) stablecode_8_layers 16384 zero2 --compile "${ALL_BACKENDS[@]}" ;;
+    sc-16k-zero3) stablecode_8_layers 16384 zero3 --compile "${ALL_BACKENDS[@]}" ;;
+    llama3-8b)
+        bench --model-name Llama-3-8B --n-layer 4 --block-size 8192 --shard-mode zero2 \
+            --compile "${ALL_BACKENDS[@]}" --out "$OUT/llama3_8b_4l_zero2.jsonl" ;;
+    maxT-inductor) longest_block_size inductor ;;
+    maxT-thunder) longest_block_size thunder ;;
+    maxT-memopt) longest_block_size thunder+memopt ;;
+    memopt-budgets) stablecode_8_layers 16384 zero2 --compile thunder+memopt --memopt-budget 1.0 0.5 0.0 ;;
+    tables) tables ;;
+    *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
+esac
