@@ -21,8 +21,8 @@ saved, as before.
 
 from __future__ import annotations
 
+import bisect
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -164,6 +164,7 @@ class _ForwardGraph:
     cost: dict[str, int]  # bytes of keeping a tensor alive until backward
     inputs: frozenset[str]
     needed: tuple[TensorProxy, ...]  # the original saved tensors
+    outputs: tuple[str, ...]  # the forward's own outputs
 
 
 def _forward_graph(trace: TraceCtx) -> _ForwardGraph:
@@ -184,7 +185,15 @@ def _forward_graph(trace: TraceCtx) -> _ForwardGraph:
         cost=cost,
         inputs=frozenset(t.name for t in inputs),
         needed=tuple(needed),
+        outputs=tuple(_forward_outputs(trace)),
     )
+
+
+def _forward_outputs(trace: TraceCtx) -> list[str]:
+    from thunder.core.pytree import tree_flatten
+
+    flat, _ = tree_flatten(trace.bound_symbols[-1].args[0].get("flat_output", ()))
+    return [t.name for t in flat if isinstance(t, TensorProxy)]
 
 
 def _min_cut_saved(g: _ForwardGraph, replayable: Sequence[bool]) -> set[str]:
@@ -271,33 +280,94 @@ def plan_recompute(forward_trace: TraceCtx, *, activation_budget: float = 1.0) -
     )
 
 
-def _solve_with_budget(g, cheap, infos, budget, default):
-    """Also replay expensive ops, cheapest FLOPs first, until saved bytes meet the budget.
+def _checkpoints(g: _ForwardGraph, min_expensive_per_segment: int = 5) -> set[int]:
+    """Producers of the tensors that every path from the batch to the output crosses (the residual
+    stream between blocks), spaced at least ``min_expensive_per_segment`` expensive ops apart.
 
-    The budget is the share of the way from the fewest saved bytes (everything replayable) to the
-    default (cheap ops only). Allowing more ops can only lower the min cut, so the shortest prefix
-    of the FLOPs order that meets the target is found by bisection.
+    Below budget 1.0, matmuls may be replayed and a replay chain could otherwise reach back through
+    every layer to the input: the whole forward would be replayed at once in the backward and the
+    peak would rise. Never replaying these producers keeps each replay inside one segment, which at
+    budget 0.0 is full activation checkpointing of each block.
     """
-    expensive = sorted((i for i, k in enumerate(g.kinds) if k is OpKind.EXPENSIVE), key=lambda i: estimate_flops(g.bsyms[i]))
+    graph = nx.DiGraph()
+    root, sink = "root", "sink"
+    free = {n for n in g.inputs if g.cost.get(n, 0) == 0}
+    graph.add_edges_from((root, n) for n in g.inputs if n not in free)
+    for b in g.bsyms:
+        for a in tensor_args(b):
+            if a.name in free:
+                continue
+            graph.add_edges_from((a.name, o.name) for o in tensor_outs(b) if o.name != a.name)
+    graph.add_edges_from((name, sink) for name in g.outputs if name in graph)
+    if sink not in graph or root not in graph:
+        return set()
+    idom = nx.immediate_dominators(graph, root)
+    if sink not in idom:
+        return set()
+    chain, node = [], idom[sink]
+    while node != root:
+        if node in g.producer:
+            chain.append(g.producer[node])
+        node = idom[node]
+    expensive_before = _prefix_counts([k is OpKind.EXPENSIVE for k in g.kinds])
+    chosen, last = set(), 0
+    for i in sorted(chain):
+        if expensive_before[i] - last >= min_expensive_per_segment:
+            chosen.add(i)
+            last = expensive_before[i]
+    return chosen
+
+
+def _prefix_counts(flags: Sequence[bool]) -> list[int]:
+    counts, c = [], 0
+    for f in flags:
+        counts.append(c)
+        c += f
+    return counts
+
+
+def _replay_working_set(g: _ForwardGraph, replay: set[int], checkpoints: Sequence[int], infos) -> int:
+    """Bytes the backward holds at once for replayed tensors: the largest segment's replays.
+
+    Replays are emitted just before their first reader, and a segment's replays die within that
+    segment's backward, so the working set is bounded by the largest segment's sum.
+    """
+    per_segment: dict[int, dict[str, int]] = {}
+    for i in replay:
+        storages = per_segment.setdefault(bisect.bisect_left(checkpoints, i), {})
+        for o in tensor_outs(g.bsyms[i]):
+            storages[infos[o.name].storage] = infos[infos[o.name].storage].nbytes
+    return max((sum(s.values()) for s in per_segment.values()), default=0)
+
+
+def _solve_with_budget(g, cheap, infos, budget, default, ladder_steps: int = 8):
+    """Also replay expensive ops, cheapest FLOPs first, on a ladder from the default to the most.
+
+    Each rung is scored by the backward peak it implies: saved bytes plus the largest segment's
+    replay working set. The budget places a target between the lowest score (0.0) and the
+    default's (1.0), and the rung with the least recompute that meets it wins. A lower budget only
+    removes rungs that the higher one could have chosen, so the score never rises as the budget
+    falls; torch's activation_memory_budget does not guarantee that (pytorch #197838).
+    """
+    checkpoints = sorted(_checkpoints(g))
+    expensive = sorted(
+        (i for i, k in enumerate(g.kinds) if k is OpKind.EXPENSIVE and i not in checkpoints),
+        key=lambda i: estimate_flops(g.bsyms[i]),
+    )
+    allowed_cheap = [c and i not in checkpoints for i, c in enumerate(cheap)]
 
     def with_prefix(n: int):
-        allowed = list(cheap)
+        allowed = list(allowed_cheap)
         for i in expensive[:n]:
             allowed[i] = True
         return _solve(g, allowed, infos)
 
-    floor = with_prefix(len(expensive))
-    target = floor[2] + budget * (default[2] - floor[2])
-    lo, hi = 0, len(expensive)
-    best = default if default[2] <= target else floor
-    while lo < hi:
-        mid = (lo + hi) // 2
-        cand = with_prefix(mid)
-        if cand[2] <= target:
-            best, hi = cand, mid
-        else:
-            lo = mid + 1
-    return best
+    rungs = [default] + [
+        with_prefix(n) for n in sorted({round(k * len(expensive) / ladder_steps) for k in range(1, ladder_steps + 1)})
+    ]
+    scores = [r[2] + _replay_working_set(g, r[1], checkpoints, infos) for r in rungs]
+    target = min(scores) + budget * (scores[0] - min(scores))
+    return next(r for r, s in zip(rungs, scores) if s <= target)
 
 
 def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:

@@ -1,0 +1,62 @@
+"""The memory model against measurement: saved bytes, views, and the liveness estimate."""
+
+import pytest
+import torch
+from _train import train_step
+
+from thunder_memopt.memory import _reshape_strides, contiguous_strides, estimate_memory, estimate_step, saved_for_backward
+
+
+@pytest.mark.parametrize("model_name", ["stablecode-completion-alpha-3b", "Llama-3-8B"])
+def test_predicted_saved_bytes_match_saved_tensors_hooks(model_name):
+    step = train_step(model_name)
+    predicted = saved_for_backward(step.forward_trace).activation_bytes
+    assert abs(predicted - step.saved_bytes) <= 0.01 * step.saved_bytes, (predicted, step.saved_bytes)
+
+
+def test_inventory_names_producer_and_source_line():
+    step = train_step("stablecode-completion-alpha-3b")
+    inv = saved_for_backward(step.forward_trace)
+    rows = inv.by_source()
+    assert rows == sorted(rows, key=lambda r: -r[2])
+    assert sum(r[2] for r in rows) == inv.activation_bytes
+    assert any("litgpt/model.py" in src or "normalization.py" in src for _, src, _, _ in rows)
+    assert all(t.is_parameter for t in inv.tensors if t.name.startswith("t_transformer"))
+
+
+@pytest.mark.parametrize(
+    "shape, permute, new_shape",
+    [
+        ((2, 6, 4), None, (2, 24)),
+        ((2, 6, 4), (0, 2, 1), (2, 24)),
+        ((2, 6, 4), (0, 2, 1), (2, 2, 2, 6)),
+        ((1, 8, 12), None, (1, 8, 3, 4)),
+        ((4, 1, 6), (2, 1, 0), (6, 4)),
+    ],
+)
+def test_reshape_is_a_view_exactly_when_torch_makes_one(shape, permute, new_shape):
+    t = torch.zeros(shape)
+    if permute:
+        t = t.permute(permute)
+    strides = _reshape_strides(tuple(t.shape), tuple(t.stride()), new_shape)
+    torch_view = t.reshape(new_shape)
+    is_view = torch_view.data_ptr() == t.data_ptr() and torch_view._base is not None
+    assert (strides is not None) == is_view
+    if is_view:
+        assert strides == torch_view.stride()
+
+
+def test_contiguous_strides():
+    assert contiguous_strides((2, 3, 4)) == torch.zeros(2, 3, 4).stride()
+
+
+def test_liveness_peak_is_where_outputs_meet_live_inputs():
+    step = train_step("Llama-3-8B")
+    fw = estimate_memory(step.forward_trace)
+    bw = estimate_memory(step.backward_trace)
+    assert fw.peak_bytes >= fw.input_bytes + saved_for_backward(step.forward_trace).activation_bytes
+    assert bw.peak_index >= 0 and bw.peak_op is not None
+    assert len(bw.live_bytes) > 0 and max(bw.live_bytes) == bw.peak_bytes
+    step_estimate = estimate_step(step.forward_trace, step.backward_trace)
+    assert step_estimate.peak_bytes > 0
+    assert step_estimate.peak_phase in {"forward", "backward"}

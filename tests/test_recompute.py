@@ -1,0 +1,160 @@
+"""MemoryOptimization's recompute pass: numerics, saved bytes, the budget knob and its guards."""
+
+import warnings
+
+import pytest
+import thunder
+import torch
+from _train import assert_same_numerics, h_bytes_per_layer, train_step
+
+from thunder_memopt import MemoryOptimization, thunderfx_backend
+from thunder_memopt import recompute
+from thunder_memopt.memory import estimate_step, saved_for_backward
+
+ARCHITECTURES = [
+    "stablecode-completion-alpha-3b",  # parallel residual, LayerNorm, GELU, partial rotary
+    "pythia-160m",  # GPT-NeoX
+    "Llama-3-8B",  # RMSNorm, SwiGLU, GQA
+    "falcon-7b",  # parallel residual with a shared attention norm, multi-query attention
+    "gemma-2b",  # GeGLU, embedding scaling, multi-query attention
+]
+
+
+@pytest.mark.parametrize("model_name", ARCHITECTURES)
+def test_loss_and_gradients_bit_identical_to_plain_thunder(model_name):
+    plain = train_step(model_name)
+    optimized = train_step(model_name, [MemoryOptimization(passes=("recompute",))])
+    assert_same_numerics(plain, optimized)
+    assert optimized.saved_bytes < plain.saved_bytes
+
+
+def test_stablecode_saves_at_most_26_h_bytes_per_token_per_layer():
+    # Plain Thunder saves about 117 here; eager PyTorch 36.
+    assert h_bytes_per_layer("stablecode-completion-alpha-3b", [MemoryOptimization()]) <= 26.0
+
+
+def test_llama_saved_h_bytes():
+    # Plain Thunder saves about 90 here; eager PyTorch 58. With matmuls never replayed (the default)
+    # the floor is 31: x 2, qkv 3, bf16 attention probabilities 8 (4 heads x T=256 x 2 B / 256),
+    # attention output 2, mid-block residual 2, fc_1 7, fc_2 7. Replaying the cheapest matmul
+    # (probs @ v) as the budget allows takes it to 30 and below.
+    assert h_bytes_per_layer("Llama-3-8B", [MemoryOptimization()]) <= 31.0
+    assert h_bytes_per_layer("Llama-3-8B", [MemoryOptimization(activation_budget=0.9)]) <= 30.0
+
+
+def test_lower_budget_never_raises_the_estimated_peak_and_keeps_numerics():
+    plain = train_step("Llama-3-8B", n_layer=3)
+    peaks, saved = [], []
+    for budget in (1.0, 0.75, 0.5, 0.25, 0.0):
+        step = train_step("Llama-3-8B", [MemoryOptimization(activation_budget=budget)], n_layer=3)
+        assert_same_numerics(plain, step)
+        peaks.append(estimate_step(step.forward_trace, step.backward_trace).peak_bytes)
+        saved.append(step.saved_bytes)
+    assert peaks == sorted(peaks, reverse=True), peaks
+    assert peaks[-1] < peaks[0] and saved[-1] < saved[0]
+
+
+def test_budget_zero_saves_about_the_block_inputs():
+    step = train_step("stablecode-completion-alpha-3b", [MemoryOptimization(activation_budget=0.0)], n_layer=4)
+    block_input = 256 * 256 * 2  # T x n_embd in bf16
+    assert step.saved_bytes <= 4 * 2 * block_input
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"activation_budget": 1.5}, ValueError),
+        ({"activation_budget": -0.1}, ValueError),
+        ({"activation_budget": "high"}, TypeError),
+        ({"passes": ("recompute", "fuse_everything")}, ValueError),
+        ({"passes": "recompute"}, TypeError),
+    ],
+)
+def test_bad_options_raise_at_construction(kwargs, error):
+    with pytest.raises(error):
+        MemoryOptimization(**kwargs)
+
+
+class _UnknownAndRandomOps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = torch.cumsum(self.lin(x), dim=-1)  # not a known cheap op: must be saved, not replayed
+        h = torch.nn.functional.dropout(h.float().exp(), p=0.5, training=True)
+        return self.lin(h.tanh())
+
+
+def test_unknown_and_random_ops_are_saved_never_replayed():
+    def run(transforms):
+        torch.manual_seed(0)
+        model = _UnknownAndRandomOps()
+        x = torch.randn(8, 64)
+        jitted = thunder.jit(model, transforms=transforms)
+        torch.manual_seed(1)
+        jitted(x).sum().backward()
+        return [p.grad for p in model.parameters()], thunder.last_traces(jitted)[-1]
+
+    (plain, _), (optimized, fw) = run([]), run([MemoryOptimization()])
+    assert all(torch.equal(a, b) for a, b in zip(plain, optimized))
+    plan = recompute.plan_recompute(fw)
+    replayed = {n for b in plan.recompute for n in recompute.op_names(b)}
+    assert not replayed & {"cumsum", "uniform", "uniform_philox", "bernoulli", "dropout"}
+
+
+def test_a_trace_the_pass_cannot_handle_is_left_unchanged_with_one_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise NotImplementedError("synthetic failure")
+
+    monkeypatch.setattr(recompute, "plan_recompute", broken)
+    plain = train_step("pythia-160m")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimized = train_step("pythia-160m", [MemoryOptimization()])
+    ours = [w for w in caught if "thunder_memopt" in str(w.message)]
+    assert len(ours) == 1
+    assert_same_numerics(plain, optimized)
+    assert optimized.saved_bytes == plain.saved_bytes
+
+
+class _TwoGraphs(torch.nn.Module):
+    """Two blocks with a graph break between them: dynamo hands ThunderCompiler two subgraphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        self.b = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64), torch.nn.SiLU(), torch.nn.Linear(64, 64))
+
+    def forward(self, x):
+        x = x + self.a(x)
+        torch._dynamo.graph_break()
+        return x + self.b(x)
+
+
+def test_thunderfx_backend_shares_one_transform_across_subgraphs_correctly():
+    def run(make_backend):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _TwoGraphs()
+        x = torch.randn(4, 32, 64)
+        backend = make_backend()
+        out = torch.compile(model, backend=backend)(x)
+        out.square().mean().backward()
+        return out.detach(), [p.grad for p in model.parameters()], backend
+
+    from thunder.dynamo import ThunderCompiler
+
+    caller_transforms = [MemoryOptimization()]
+    ref_out, ref_grads, _ = run(ThunderCompiler)
+    out, grads, backend = run(lambda: thunderfx_backend(caller_transforms[0]))
+    assert torch.equal(ref_out, out)
+    assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
+    assert len(caller_transforms) == 1  # ThunderCompiler appends to the list it is given, never ours
+    assert len(backend.compiler.subgraph_infos) == 2
+
+
+def test_saved_set_excludes_rotary_q_k_beside_qkv():
+    step = train_step("stablecode-completion-alpha-3b", [MemoryOptimization()])
+    sources = [t.source or "" for t in saved_for_backward(step.forward_trace).tensors if not t.is_parameter]
+    assert not any("model.py:1172" in s for s in sources)  # litgpt apply_rope's output
