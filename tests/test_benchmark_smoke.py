@@ -31,10 +31,8 @@ BF16_LOSS_RTOL = 0.02
 SMOKE_TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory) -> tuple[list[dict], str, Path]:
+def run_smoke_benchmark(work: Path) -> tuple[list[dict], str, Path]:
     """The rows, the printed output and the --out path of one small CPU run."""
-    work = tmp_path_factory.mktemp("benchmark")
     out = work / "results.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(BENCHMARKS / "benchmark_fsdp2.py"), "--compile", *SMOKE_BACKENDS, "--n-layer", "2",
@@ -45,8 +43,7 @@ def smoke_run(tmp_path_factory) -> tuple[list[dict], str, Path]:
     return make_table.load_rows([out]), finished.stdout, out
 
 
-def test_a_row_per_backend_with_every_field(smoke_run):
-    rows, _, _ = smoke_run
+def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
     assert [row["backend"] for row in rows] == list(SMOKE_BACKENDS)
     for row in rows:
         assert REQUIRED_KEYS <= row.keys(), REQUIRED_KEYS - row.keys()
@@ -60,12 +57,30 @@ def test_a_row_per_backend_with_every_field(smoke_run):
     assert rows[-1]["budget"] == 1.0
 
 
-def test_backends_agree_on_the_loss(smoke_run):
-    rows, printed, _ = smoke_run
+def check_backends_agree_on_the_loss(rows: list[dict], printed: str) -> None:
     eager = rows[0]["loss"]
     for row in rows[1:]:
         assert row["loss"] == pytest.approx(eager, rel=BF16_LOSS_RTOL), row["backend"]
     assert "WARNING" not in printed
+
+
+def check_table_printed_and_plot_written(rows: list[dict], printed: str, out: Path, work: Path) -> None:
+    assert make_table.markdown(rows) in printed
+    assert "| 128 | thunder+memopt @1 | ok |" in printed
+    assert out.with_suffix(".png").stat().st_size > 0
+    plot = work / "plot.png"
+    table = subprocess.run([sys.executable, str(BENCHMARKS / "make_table.py"), str(out), "--plot", str(plot)],
+                           capture_output=True, text=True, check=True).stdout
+    assert table.strip() == make_table.markdown(rows)
+    assert plot.stat().st_size > 0
+
+
+def test_benchmark_end_to_end_on_cpu(tmp_path):
+    # One test for the one run (about a minute and a half), so that pytest-xdist never starts it twice.
+    rows, printed, out = run_smoke_benchmark(tmp_path)
+    check_a_row_per_backend_with_every_field(rows)
+    check_backends_agree_on_the_loss(rows, printed)
+    check_table_printed_and_plot_written(rows, printed, out, tmp_path)
 
 
 def test_a_loss_apart_gets_a_warning(capsys):
@@ -73,18 +88,6 @@ def test_a_loss_apart_gets_a_warning(capsys):
     rows = [{**row, "backend": "eager", "loss": 6.25}, {**row, "backend": "thunder", "loss": 6.25 * 1.03}]
     benchmark_fsdp2.warn_on_loss_disagreement(rows, rtol=BF16_LOSS_RTOL)
     assert capsys.readouterr().out.startswith("WARNING: loss of thunder at T=128")
-
-
-def test_table_printed_and_plot_written(smoke_run, tmp_path):
-    rows, printed, out = smoke_run
-    assert make_table.markdown(rows) in printed
-    assert "| 128 | thunder+memopt @1 | ok |" in printed
-    assert out.with_suffix(".png").stat().st_size > 0
-    plot = tmp_path / "plot.png"
-    table = subprocess.run([sys.executable, str(BENCHMARKS / "make_table.py"), str(out), "--plot", str(plot)],
-                           capture_output=True, text=True, check=True).stdout
-    assert table.strip() == make_table.markdown(rows)
-    assert plot.stat().st_size > 0
 
 
 @pytest.mark.parametrize(
