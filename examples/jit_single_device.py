@@ -1,0 +1,46 @@
+"""Train a litgpt model under thunder.jit with MemoryOptimization, on a GPU or, without one, on CPU.
+
+    python examples/jit_single_device.py --model-name pythia-160m --n-layer 4 --steps 5
+"""
+
+import argparse
+import time
+
+import thunder
+import torch
+
+from thunder_memopt import MemoryOptimization
+from thunder_memopt.models import build_model, narrow_config, random_batch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-name", default="stablecode-completion-alpha-3b")
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=None, help="default: 2048 on GPU, 256 on CPU")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--budget", type=float, default=1.0, help="activation_budget in [0, 1]")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda"
+    block_size = args.block_size or (2048 if on_gpu else 256)
+    # On CPU the model is narrowed to width 256 so that it runs anywhere.
+    cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=None if on_gpu else 256, block_size=block_size)
+    model = build_model(cfg, device=device)
+    jitted = thunder.jit(model, transforms=[MemoryOptimization(activation_budget=args.budget)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    for step in range(args.steps):
+        x, y = random_batch(cfg, batch_size=1, seq_len=block_size, device=device, seed=step)
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(jitted(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if on_gpu else ""
+        print(f"step {step}: loss {loss.item():.4f}, {time.perf_counter() - start:.2f} s{peak}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

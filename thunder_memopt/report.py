@@ -1,0 +1,195 @@
+"""The memory report: what a litgpt model saves for backward under plain Thunder and with
+MemoryOptimization, and the estimated (and on a GPU, measured) peak of a training step.
+
+Saved bytes per layer come from the marginal between two layer counts, so that the embedding and
+the head do not distort them, and are also given in h-bytes per token per layer: bytes divided by
+tokens x n_embd. Everything printed is computed from the real traces and from
+``saved_tensors_hooks`` during a real forward; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import thunder
+import torch
+
+from thunder_memopt.measure import measure_saved
+from thunder_memopt.memory import SavedInventory, estimate_step, saved_for_backward
+from thunder_memopt.models import build_model, narrow_config, random_batch
+from thunder_memopt.transform import MemoryOptimization
+
+__all__ = ["Column", "measure_column", "main"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Column:
+    """One setup (plain Thunder or MemoryOptimization) measured at two layer counts."""
+
+    name: str
+    saved_small: int  # measured saved bytes at the smaller layer count
+    saved_large: int
+    inventory: SavedInventory  # at the larger layer count
+    estimated_peak: int  # forward + backward, activations and gradients, larger layer count
+    peak_phase: str
+    measured_peak: int | None  # CUDA max_memory_allocated minus memory before the step
+    compile_seconds: float
+
+
+def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int]) -> Column:
+    """Saved bytes at both layer counts, inventory and peaks at the larger."""
+    device = torch.device(args.device)
+    dtype = _DTYPES[args.dtype]
+    saved, result = [], None
+    for n_layer in layer_counts:
+        cfg = narrow_config(args.model_name, n_layer=n_layer, n_embd=args.n_embd, block_size=args.block_size)
+        model = build_model(cfg, dtype=dtype, device=device)
+        x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device)
+        jitted = thunder.jit(model, transforms=transforms_factory())
+        start = time.perf_counter()
+        measured = measure_saved(jitted, x, parameters=[*model.parameters(), *model.buffers()])
+        seconds = time.perf_counter() - start
+        saved.append(measured.activation_bytes)
+        if n_layer == layer_counts[-1]:
+            loss = torch.nn.functional.cross_entropy(measured.output.flatten(0, 1).float(), y.flatten())
+            del measured
+            loss.backward()
+            fw, bw = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+            est = estimate_step(fw, bw)
+            result = (saved_for_backward(fw), est, _measured_peak(model, jitted, x, y, device), seconds)
+        print(f"  {name}: {n_layer} layers, saved {saved[-1] / MiB:.1f} MiB (first call {seconds:.1f} s)", flush=True)
+    inventory, est, measured_peak, seconds = result
+    return Column(
+        name=name,
+        saved_small=saved[0],
+        saved_large=saved[1],
+        inventory=inventory,
+        estimated_peak=est.peak_bytes,
+        peak_phase=est.peak_phase,
+        measured_peak=measured_peak,
+        compile_seconds=seconds,
+    )
+
+
+def _measured_peak(model, jitted, x, y, device: torch.device) -> int | None:
+    """CUDA peak of one more forward+backward, above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = jitted(x)
+    torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten()).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _train_a_few_steps(args: argparse.Namespace) -> None:
+    """The demo's training: a few AdamW steps under thunder.jit with MemoryOptimization."""
+    device = torch.device(args.device)
+    cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd, block_size=args.block_size)
+    model = build_model(cfg, dtype=_DTYPES[args.dtype], device=device)
+    jitted = thunder.jit(model, transforms=[MemoryOptimization(activation_budget=args.budget)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(args.train_steps):
+        x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device, seed=step)
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(jitted(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        print(f"  step {step + 1}/{args.train_steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
+
+
+def format_report(args: argparse.Namespace, columns: Sequence[Column], layer_counts: Sequence[int]) -> str:
+    tokens = args.micro_batch_size * args.block_size
+    per_layer = [(c.saved_large - c.saved_small) / (layer_counts[1] - layer_counts[0]) for c in columns]
+    h_bytes = [p / (tokens * args.n_embd_effective) for p in per_layer]
+    lines = [
+        f"# Memory report: {args.model_name}, {layer_counts[1]} layers, n_embd {args.n_embd_effective}, "
+        f"T={args.block_size}, batch {args.micro_batch_size}, {args.dtype}, {args.device}",
+        "",
+        "| | " + " | ".join(c.name for c in columns) + " |",
+        "|---|" + "---|" * len(columns),
+        "| saved activations per layer | " + " | ".join(_fmt_bytes(int(p)) for p in per_layer) + " |",
+        "| h-bytes / token / layer | " + " | ".join(f"{h:.1f}" for h in h_bytes) + " |",
+        "| saved activations, whole model | " + " | ".join(_fmt_bytes(c.inventory.activation_bytes) for c in columns) + " |",
+        "| estimated peak, forward+backward | "
+        + " | ".join(f"{_fmt_bytes(c.estimated_peak)} ({c.peak_phase})" for c in columns)
+        + " |",
+        "| measured peak (CUDA max allocated) | " + " | ".join(_fmt_bytes(c.measured_peak) for c in columns) + " |",
+        "| first call (compile + step) | " + " | ".join(f"{c.compile_seconds:.1f} s" for c in columns) + " |",
+    ]
+    for c in columns:
+        lines += ["", f"## Saved for backward by op and source line: {c.name} (largest first)", ""]
+        lines += ["| bytes | tensors | op | source |", "|---|---|---|---|"]
+        for op, src, nbytes, count in c.inventory.by_source()[: args.top]:
+            lines.append(f"| {_fmt_bytes(nbytes)} | {count} | {op} | {_short_source(src)} |")
+    return "\n".join(lines)
+
+
+def _short_source(src: str) -> str:
+    parts = src.split("/")
+    return "/".join(parts[-2:]) if len(parts) > 2 else src
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    has_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="python -m thunder_memopt report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-name", default="stablecode-completion-alpha-3b", help="a litgpt config name")
+    p.add_argument("--n-layer", type=int, default=4, help="layers of the model reported on")
+    p.add_argument("--n-embd", type=int, default=None, help="narrow to this width (default: 256 on CPU, real on GPU)")
+    p.add_argument("--block-size", type=int, default=512 if not has_gpu else 8192, help="sequence length")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--device", default="cuda" if has_gpu else "cpu")
+    p.add_argument("--budget", type=float, default=1.0, help="MemoryOptimization activation_budget")
+    p.add_argument("--train-steps", type=int, default=3, help="AdamW steps to train before the report (0: none)")
+    p.add_argument("--top", type=int, default=8, help="rows of the saved-tensor tables")
+    args = p.parse_args(argv)
+    if args.n_layer < 2:
+        p.error("--n-layer must be at least 2: per-layer figures are a marginal between layer counts")
+    if not 0.0 <= args.budget <= 1.0:
+        p.error(f"--budget must be in [0, 1], got {args.budget}")
+    if args.device.startswith("cuda") and not has_gpu:
+        p.error("--device cuda asked for, but torch sees no GPU")
+    if args.n_embd is None and not args.device.startswith("cuda"):
+        args.n_embd = 256
+    from litgpt import Config
+
+    args.n_embd_effective = args.n_embd or Config.from_name(args.model_name).n_embd
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    layer_counts = (args.n_layer // 2, args.n_layer)
+    if args.train_steps:
+        print(f"Training {args.train_steps} steps of {args.model_name} with MemoryOptimization on {args.device}", flush=True)
+        _train_a_few_steps(args)
+    print(f"Measuring saved activations at {layer_counts[0]} and {layer_counts[1]} layers", flush=True)
+    columns = [
+        measure_column("plain Thunder", args, list, layer_counts),
+        measure_column(
+            f"MemoryOptimization (budget {args.budget})",
+            args,
+            lambda: [MemoryOptimization(activation_budget=args.budget)],
+            layer_counts,
+        ),
+    ]
+    print()
+    print(format_report(args, columns, layer_counts))
