@@ -109,11 +109,14 @@ class Trial:
     iters: int
     seed: int
     search: bool = False  # a --find-max-block-size probe: only whether it fits matters
+    memopt_passes: tuple[str, ...] | None = None  # thunder+memopt: MemoryOptimization(passes=...); None: all
     profile: bool = False
     memory_snapshot: str | None = None
 
     def describe(self) -> str:
         budget = "" if self.budget is None else f" budget={self.budget:g}"
+        if self.memopt_passes is not None:
+            budget += f" passes={'+'.join(self.memopt_passes)}"
         sharding = make_table.sharding_of(dataclasses.asdict(self))
         return (f"{self.backend}{budget} T={self.block_size} "
                 f"({self.model}, {self.n_layer} layers, {sharding}, world size {self.world_size})")
@@ -210,7 +213,9 @@ def shard_with_fsdp2(gpt: torch.nn.Module, trial: Trial) -> None:
 def memory_optimization(trial: Trial):
     from thunder_memopt import MemoryOptimization
 
-    return MemoryOptimization(activation_budget=trial.budget)
+    if trial.memopt_passes is None:
+        return MemoryOptimization(activation_budget=trial.budget)
+    return MemoryOptimization(activation_budget=trial.budget, passes=trial.memopt_passes)
 
 
 def thunder_transforms(trial: Trial) -> list:
@@ -682,7 +687,8 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                  block_size=args.block_size[0], micro_batch_size=args.micro_batch_size, dtype=DTYPES[args.dtype],
                  distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,
                  world_size=1 if args.distributed_mode == "none" else world_size, backend=args.compile[0], budget=None,
-                 warmup=args.warmup, iters=args.iters, seed=args.seed, profile=args.profile)
+                 warmup=args.warmup, iters=args.iters, seed=args.seed, profile=args.profile,
+                 memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes))
 
 
 def snapshot_path(base: str | None, trial: Trial) -> str | None:
@@ -864,6 +870,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                                "if unset: all (the thunder ones under thunder-fsdp)")
     backends.add_argument("--inductor-budget", type=float, nargs="+", default=[0.5],
                           help="torch._functorch.config.activation_memory_budget for inductor-budget (a row each)")
+    backends.add_argument("--memopt-passes", nargs="+", default=None,
+                          help="MemoryOptimization(passes=...) for thunder+memopt (default: every pass)")
     backends.add_argument("--memopt-budget", type=float, nargs="+", default=[1.0],
                           help="MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")
 

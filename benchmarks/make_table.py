@@ -41,7 +41,7 @@ def latest(rows: list[dict]) -> list[dict]:
     """The last row of each measurement, where it was first seen: a rerun (after an error, say) supersedes."""
     by_identity: dict[tuple, dict] = {}
     for row in rows:
-        identity = (row.get("row_type"), row.get("search"), row["backend"], row.get("budget"),
+        identity = (row.get("row_type"), row.get("search"), row["backend"], row.get("budget"), str(row.get("memopt_passes")),
                     *config_of(row, with_block_size=True))
         by_identity[identity] = row
     return list(by_identity.values())
@@ -58,7 +58,9 @@ def config_of(row: dict, *, with_block_size: bool = False) -> tuple:
 
 
 def backend_label(row: dict) -> str:
-    return row["backend"] if row.get("budget") is None else f"{row['backend']} @{row['budget']:g}"
+    label = row["backend"] if row.get("budget") is None else f"{row['backend']} @{row['budget']:g}"
+    passes = row.get("memopt_passes")
+    return label if not passes else f"{label} [{'+'.join(passes)}]"
 
 
 def number(value: float | None, spec: str, scale: float = 1.0) -> str:
