@@ -43,6 +43,18 @@ class Column:
     compile_seconds: float
 
 
+class WithLoss(torch.nn.Module):
+    """The model and its cross-entropy loss as one module, so that the traces hold the whole step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
 def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int]) -> Column:
     """Saved bytes at both layer counts, inventory and peaks at the larger."""
     device = torch.device(args.device)
@@ -52,13 +64,13 @@ def measure_column(name: str, args: argparse.Namespace, transforms_factory, laye
         cfg = narrow_config(args.model_name, n_layer=n_layer, n_embd=args.n_embd, block_size=args.block_size)
         model = build_model(cfg, dtype=dtype, device=device)
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device)
-        jitted = thunder.jit(model, transforms=transforms_factory())
+        jitted = thunder.jit(WithLoss(model), transforms=transforms_factory())
         start = time.perf_counter()
-        measured = measure_saved(jitted, x, parameters=[*model.parameters(), *model.buffers()])
+        measured = measure_saved(jitted, x, y, parameters=[*model.parameters(), *model.buffers()])
         seconds = time.perf_counter() - start
         saved.append(measured.activation_bytes)
         if n_layer == layer_counts[-1]:
-            loss = torch.nn.functional.cross_entropy(measured.output.flatten(0, 1).float(), y.flatten())
+            loss = measured.output
             del measured
             loss.backward()
             fw, bw = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
@@ -86,8 +98,7 @@ def _measured_peak(model, jitted, x, y, device: torch.device) -> int | None:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = jitted(x)
-    torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), y.flatten()).backward()
+    jitted(x, y).backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
 
@@ -97,12 +108,12 @@ def _train_a_few_steps(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd, block_size=args.block_size)
     model = build_model(cfg, dtype=_DTYPES[args.dtype], device=device)
-    jitted = thunder.jit(model, transforms=[MemoryOptimization(activation_budget=args.budget)])
+    jitted = thunder.jit(WithLoss(model), transforms=[MemoryOptimization(activation_budget=args.budget)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.train_steps):
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device, seed=step)
         start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(jitted(x).flatten(0, 1).float(), y.flatten())
+        loss = jitted(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -131,7 +142,7 @@ def format_report(args: argparse.Namespace, columns: Sequence[Column], layer_cou
         "| estimated peak, forward+backward | "
         + " | ".join(f"{_fmt_bytes(c.estimated_peak)} ({c.peak_phase})" for c in columns)
         + " |",
-        "| measured peak (CUDA max allocated) | " + " | ".join(_fmt_bytes(c.measured_peak) for c in columns) + " |",
+        "| measured peak (CUDA max allocated above the step's start) | " + " | ".join(_fmt_bytes(c.measured_peak) for c in columns) + " |",
         "| first call (compile + step) | " + " | ".join(f"{c.compile_seconds:.1f} s" for c in columns) + " |",
     ]
     for c in columns:
