@@ -7,6 +7,10 @@ function, after its own optimization and ``del_last_used``. The passes run there
    and recompute the rest in the backward (thunder_memopt.recompute).
 2. ``collectives``: for thunder fsdp, just-in-time all-gathers, ZeRO-3 re-gathers in backward and
    early reduce-scatters (thunder_memopt.collectives).
+3. ``schedule``: reorder each trace (inference traces too) to lower its peak of live bytes
+   (thunder_memopt.schedule); the results are kept in ``schedule_results`` for the report. It runs
+   last so that it prices the frees the collectives pass made early, and it keeps the collectives
+   where that pass put them.
 
 The forward decides what the backward must recompute, so the plan made on a forward is handed to
 the backward that immediately follows it. The plan is keyed by the saved tensors' names and checked
@@ -22,11 +26,11 @@ from collections.abc import Sequence
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_memopt import collectives, recompute
+from thunder_memopt import collectives, recompute, schedule
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
-PASSES = ("recompute", "collectives")
+PASSES = ("recompute", "collectives", "schedule")
 
 
 class MemoryOptimization(Transform):
@@ -63,16 +67,17 @@ class MemoryOptimization(Transform):
         self.passes = tuple(p for p in PASSES if p in passes)
         self._pending: recompute.RecomputePlan | None = None
         self._collectives = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
+        self.schedule_results: list[schedule.ScheduleResult] = []
 
     def __repr__(self) -> str:
         return f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
-            return self._collectives_forward(self._forward(computation_trace))
+            return self._schedule(self._collectives_forward(self._forward(computation_trace)))
         if TraceTag.BACKWARD in computation_trace.tags:
-            return self._collectives_backward(self._backward(computation_trace))
-        return computation_trace
+            return self._schedule(self._collectives_backward(self._backward(computation_trace)))
+        return self._schedule(computation_trace)
 
     def _forward(self, trace: TraceCtx) -> TraceCtx:
         self._pending = None
@@ -94,6 +99,17 @@ class MemoryOptimization(Transform):
         # The forward was already changed; failing here would leave the pair inconsistent, so any
         # mismatch is an error rather than a silent fallback.
         return recompute.apply_to_backward(trace, plan)
+
+    def _schedule(self, trace: TraceCtx) -> TraceCtx:
+        if "schedule" not in self.passes:
+            return trace
+        try:  # reordering keeps a trace's inputs and outputs, so either trace of a pair may fall back
+            result = schedule.schedule_trace(trace)
+        except Exception as e:  # the pass must never break a user's training
+            warnings.warn(f"thunder_memopt: schedule left this trace unchanged ({type(e).__name__}: {e})")
+            return trace
+        self.schedule_results.append(result)
+        return result.trace
 
     def _collectives_forward(self, trace: TraceCtx) -> TraceCtx:
         if "collectives" not in self.passes:
