@@ -100,6 +100,19 @@ def test_fsdp2_thunderfx_loss_and_sharded_grads_match_eager(fsdp2, mode):
     assert r["max_grad_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["zero2", "zero3", "zero3_hooks_traced", "zero3_autocast"])
+def test_fsdp2_memopt_is_bit_identical_to_plain_thundercompiler(fsdp2, mode):
+    r = fsdp2[mode]
+    assert r["loss"] == r["plain_loss"]
+    assert r["max_grad_diff_vs_plain"] == 0.0
+
+
+def test_fsdp2_autocast_recomputes_parameter_casts_instead_of_saving_them(fsdp2):
+    r = fsdp2["zero3_autocast"]
+    assert r["saved_parameter_copies_plain"] > 0  # bf16 casts of fp32 weights, saved by plain Thunder
+    assert r["saved_parameter_copies"] == 0
+
+
 def test_functional_collectives_are_kept_out_of_thunder():
     import torch
     import torch.fx

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 
-from collections.abc import Iterable, Sequence
+from collections import ChainMap
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from thunder.core import prims
@@ -158,7 +159,7 @@ def _leaf_view_strides(bsym: BoundSymbol, inp: TensorProxy, in_strides: Strides,
     return None
 
 
-def view_strides(bsym: BoundSymbol, strides: dict[str, Strides]) -> dict[str, Strides] | None:
+def view_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> dict[str, Strides] | None:
     """The outputs' strides if the bound symbol returns views of its first tensor argument, else None.
 
     Executor symbols (``Tensor.expand``, ``torch.unsqueeze``) keep their ltorch/prims decomposition
@@ -172,12 +173,13 @@ def view_strides(bsym: BoundSymbol, strides: dict[str, Strides]) -> dict[str, St
         return None if s is None else {outs[0].name: s}
     if not bsym.subsymbols:
         return None
-    local = dict(strides)
+    # A ChainMap layer, not a copy: copying the whole map per composite op is quadratic.
+    local = ChainMap({}, strides)
     for sub in bsym.subsymbols:
         sub_strides = view_strides(sub, local)
         if sub_strides is None:
             return None
-        local.update(sub_strides)
+        local.maps[0].update(sub_strides)
     if not all(o.name in local for o in outs):
         return None
     return {o.name: local[o.name] for o in outs}
@@ -244,6 +246,11 @@ def storage_roots(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None) -
                 for o in tensor_outs(bsym):
                     add(o, o.name, None, None)
             continue
+        if bsym.sym.name == "update_aliases":
+            # Thunder's marker after an in-place op: each output is its input, renamed.
+            for a, o in zip(tensor_args(bsym), tensor_outs(bsym)):
+                add(o, infos[a.name].storage if a.name in infos else a.name, bsym, i)
+            continue
         if bsym.sym.name in _INPLACE_TARGET:
             base = bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]
             for o in tensor_outs(bsym):
@@ -291,13 +298,16 @@ def _last_uses(bsyms: Sequence[BoundSymbol], infos: dict[str, TensorInfo]) -> di
     return last
 
 
-def estimate_memory(trace: TraceCtx, *, inputs_freed: bool | None = None) -> MemoryEstimate:
+def estimate_memory(
+    trace: TraceCtx, *, inputs_freed: bool | None = None, held: Iterable[str] = ()
+) -> MemoryEstimate:
     """Estimate the live bytes after every bound symbol of an execution trace.
 
     A storage is live from the symbol that creates it to its last reader. The trace's inputs are
     live from the start; they are freed after their last use only when ``inputs_freed`` (the
     default for backward traces, whose saved tensors are released as they are consumed), and
-    otherwise held by the caller until the end. Anything the return statement reads stays live.
+    otherwise held by the caller until the end; storages named in ``held`` (parameters, which the
+    module keeps) are never freed. Anything the return statement reads stays live.
     """
     if inputs_freed is None:
         inputs_freed = TraceTag.BACKWARD in trace.tags
@@ -324,8 +334,9 @@ def estimate_memory(trace: TraceCtx, *, inputs_freed: bool | None = None) -> Mem
         if end < n:
             delta[end + 1] -= storage_bytes[s]
     if inputs_freed:
+        held = set(held)
         for s in input_storages:
-            if s in returned or s not in last:
+            if s in returned or s in held or s not in last:
                 continue
             delta[last[s] + 1] -= storage_bytes[s]
 
@@ -463,8 +474,9 @@ def estimate_step(forward_trace: TraceCtx, backward_trace: TraceCtx) -> StepEsti
     stay alive until the backward begins.
     """
     fw = estimate_memory(forward_trace, inputs_freed=False)
-    bw = estimate_memory(backward_trace, inputs_freed=True)
     saved = saved_for_backward(forward_trace)
+    params = {t.storage for t in saved.tensors if t.is_parameter}
+    bw = estimate_memory(backward_trace, inputs_freed=True, held=params)
     fw_peak = fw.peak_bytes - fw.input_bytes
     # The backward's inputs include saved parameters, which are not the step's allocation.
     bw_peak = bw.peak_bytes - saved.parameter_bytes

@@ -1,45 +1,74 @@
-"""torchrun worker: FSDP2 (``fully_shard`` per Block) under thunderfx_backend, against eager FSDP2.
+"""torchrun worker: FSDP2 (``fully_shard`` per Block) under thunderfx_backend, against eager FSDP2
+and against plain ThunderCompiler (the same run without MemoryOptimization).
 
-Runs zero2 and zero3 (``reshard_after_forward`` False/True) with dynamo skipping FSDP hooks, and
-zero3 with ``skip_fsdp_hooks=False``, where functional collectives reach the backend. Writes, from
-rank 0, losses, the largest sharded-gradient difference and the number of collective nodes the
-backend kept out of Thunder to the JSON path in argv[1].
+Runs zero2 and zero3 (``reshard_after_forward`` False/True) with dynamo skipping FSDP hooks, zero3
+with ``skip_fsdp_hooks=False``, where functional collectives reach the backend, and zero3 under
+``torch.autocast(bf16)`` over fp32 parameters, where the trace casts weights. Writes, from rank 0,
+losses, the largest sharded-gradient differences, the number of collective nodes the backend kept
+out of Thunder and the parameter-derived tensors each variant saves for backward to argv[1].
 """
 
 from __future__ import annotations
 
 import sys
 
+import contextlib
+
+import thunder
 import torch
 import torch._dynamo
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import thunder_memopt.backend as backend_module
+from thunder.dynamo import ThunderCompiler
 from thunder_memopt.collectives import keep_collectives_out_of_thunder
 from _common import finish, max_grad_diff
+from thunder_memopt.memory import saved_for_backward, storage_roots, trace_inputs
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 CONFIG = narrow_config("pythia-14m", n_layer=2, n_embd=256, block_size=128)
 
 
-def step(reshard: bool, compiled: bool):
+def step(reshard: bool, backend: str, autocast: bool = False):
+    """One step under ``backend``: "eager", "thunder" (plain ThunderCompiler) or "memopt"."""
     model = build_model(CONFIG, dtype=torch.float32)
     for block in model.transformer.h:
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    if compiled:
+    compiler = None
+    if backend != "eager":
         torch._dynamo.reset()
-        model = torch.compile(model, backend=backend_module.thunderfx_backend())
+        compiler = ThunderCompiler() if backend == "thunder" else backend_module.thunderfx_backend()
+        model = torch.compile(model, backend=compiler)
     x, y = random_batch(CONFIG, batch_size=2, seq_len=64)
-    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
     loss.backward()
-    return loss.item(), {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    grads = {n.removeprefix("_orig_mod."): p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, compiler
 
 
-def sharded_grad_diff(ref: dict, got: dict) -> float:
-    strip = lambda n: n.removeprefix("_orig_mod.")  # noqa: E731 - torch.compile's wrapper prefix
-    return max_grad_diff(ref, {strip(n): g for n, g in got.items()})
+def saved_parameter_copies(compiler) -> int:
+    """Saved tensors computed from parameters alone (casts, transposes): FSDP2 frees the
+    parameters after forward, so such copies are the only parameter bytes the step keeps."""
+    if compiler is None:
+        return 0
+    compiler = getattr(compiler, "compiler", compiler)
+    count = 0
+    for info in compiler.subgraph_infos:
+        for fn in info.thunder_compiled_fns:
+            fw = thunder.last_traces(fn)[-1]
+            params = {t.name for t in trace_inputs(fw) if "STATIC_MEMORY_LOCATION" in str(t.tags)}
+            derived = set(params)
+            for bsym in fw.bound_symbols:
+                args = [a.name for a in bsym.flat_proxy_args if hasattr(a, "name") and hasattr(a, "shape")]
+                if args and all(a in derived for a in args):
+                    derived.update(o.name for o in bsym.flat_proxy_outs)
+            roots = storage_roots(fw)
+            count += sum(1 for t in saved_for_backward(fw).tensors if t.name in derived and roots[t.name].storage not in params)
+    return count
 
 
 def count_hidden_collectives() -> list[int]:
@@ -57,16 +86,27 @@ def count_hidden_collectives() -> list[int]:
 def main(path: str) -> None:
     dist.init_process_group("gloo")
     results = {}
-    for name, reshard, skip_hooks in (("zero2", False, True), ("zero3", True, True), ("zero3_hooks_traced", True, False)):
+    variants = (
+        ("zero2", False, True, False),
+        ("zero3", True, True, False),
+        ("zero3_hooks_traced", True, False, False),
+        ("zero3_autocast", True, True, True),
+    )
+    for name, reshard, skip_hooks, autocast in variants:
         torch._dynamo.config.skip_fsdp_hooks = skip_hooks
-        ref_loss, ref_grads = step(reshard, compiled=False)
+        ref_loss, ref_grads, _ = step(reshard, "eager", autocast)
+        plain_loss, plain_grads, plain = step(reshard, "thunder", autocast)
         counts = count_hidden_collectives()
-        loss, grads = step(reshard, compiled=True)
+        loss, grads, memopt = step(reshard, "memopt", autocast)
         results[name] = {
             "ref_loss": ref_loss,
+            "plain_loss": plain_loss,
             "loss": loss,
-            "max_grad_diff": sharded_grad_diff(ref_grads, grads),
+            "max_grad_diff": max_grad_diff(ref_grads, grads),
+            "max_grad_diff_vs_plain": max_grad_diff(plain_grads, grads),
             "collectives_kept_out": sum(counts),
+            "saved_parameter_copies_plain": saved_parameter_copies(plain),
+            "saved_parameter_copies": saved_parameter_copies(memopt),
         }
     finish(path, results)
 
