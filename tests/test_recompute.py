@@ -52,12 +52,24 @@ def test_lower_budget_never_raises_the_estimated_peak_and_keeps_numerics():
         saved.append(step.saved_bytes)
     assert peaks == sorted(peaks, reverse=True), peaks
     assert peaks[-1] < peaks[0] and saved[-1] < saved[0]
+    # budget 0.0 takes the rung with the lowest estimated peak
+    step = train_step("Llama-3-8B", n_layer=3)
+    ladder = recompute.plan_ladder(step.forward_trace)
+    lowest = min(
+        estimate_step(recompute.apply_to_forward(step.forward_trace, p), recompute.apply_to_backward(step.backward_trace, p)).peak_bytes
+        for p in ladder
+    )
+    assert peaks[-1] <= lowest
 
 
-def test_budget_zero_saves_about_the_block_inputs():
-    step = train_step("stablecode-completion-alpha-3b", [MemoryOptimization(activation_budget=0.0)], n_layer=4)
+def test_the_ladder_ends_at_per_block_checkpointing():
+    step = train_step("stablecode-completion-alpha-3b", n_layer=4)
+    ladder = recompute.plan_ladder(step.forward_trace)
+    saved = [plan.saved_bytes_after for plan in ladder]
+    assert saved == sorted(saved, reverse=True)
     block_input = 256 * 256 * 2  # T x n_embd in bf16
-    assert step.saved_bytes <= 4 * 2 * block_input
+    # The last rung keeps about one block input per layer (plus the head's input and the batch).
+    assert saved[-1] <= (4 + 2) * block_input < saved[0]
 
 
 @pytest.mark.parametrize(
@@ -107,7 +119,7 @@ def test_a_trace_the_pass_cannot_handle_is_left_unchanged_with_one_warning(monke
     def broken(*args, **kwargs):
         raise NotImplementedError("synthetic failure")
 
-    monkeypatch.setattr(recompute, "plan_recompute", broken)
+    monkeypatch.setattr(recompute, "plan_ladder", broken)
     plain = train_step("pythia-160m")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -21,7 +21,6 @@ saved, as before.
 
 from __future__ import annotations
 
-import bisect
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from thunder.core.transforms import (
 )
 
 from thunder_memopt.memory import (
+    estimate_step,
     is_bookkeeping,
     is_parameter,
     op_names,
@@ -48,7 +48,16 @@ from thunder_memopt.memory import (
     trace_inputs,
 )
 
-__all__ = ["OpKind", "op_kind", "RecomputePlan", "plan_recompute", "apply_to_forward", "apply_to_backward"]
+__all__ = [
+    "OpKind",
+    "op_kind",
+    "RecomputePlan",
+    "plan_recompute",
+    "plan_ladder",
+    "choose_by_budget",
+    "apply_to_forward",
+    "apply_to_backward",
+]
 
 
 class OpKind(enum.Enum):
@@ -253,22 +262,46 @@ def _solve(g: _ForwardGraph, replayable: Sequence[bool], infos) -> tuple[set[str
     return saved, replay, _saved_bytes(g, saved, infos)
 
 
-def plan_recompute(forward_trace: TraceCtx, *, activation_budget: float = 1.0) -> RecomputePlan:
-    """Choose the saved set of an augmented forward trace (see the module docstring)."""
+def plan_recompute(forward_trace: TraceCtx) -> RecomputePlan:
+    """The default plan: replay cheap ops only, save the min-cut (see the module docstring)."""
+    return plan_ladder(forward_trace, steps=0)[0]
+
+
+def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePlan]:
+    """Plans from the default (cheap ops only) to the most recompute, in ``steps`` rungs.
+
+    Rung k also replays the cheapest-FLOPs k/steps of the expensive ops (matmuls, attention) that
+    are not segment checkpoints (see ``_checkpoints``). Allowing more ops can only lower the min
+    cut, so saved bytes fall along the ladder. Which rung a budget takes is decided by
+    ``choose_by_budget`` once the backward trace is known.
+    """
     g = _forward_graph(forward_trace)
     infos = storage_roots(forward_trace)
     cheap = [k is OpKind.CHEAP for k in g.kinds]
     before = _saved_bytes(g, {t.name for t in g.needed}, infos)
-    saved, replay, after = _solve(g, cheap, infos)
-    if activation_budget < 1.0:
-        saved, replay, after = _solve_with_budget(g, cheap, infos, activation_budget, (saved, replay, after))
+    solutions = [_solve(g, cheap, infos)]
+    if steps:
+        checkpoints = _checkpoints(g)
+        expensive = sorted(
+            (i for i, k in enumerate(g.kinds) if k is OpKind.EXPENSIVE and i not in checkpoints),
+            key=lambda i: estimate_flops(g.bsyms[i]),
+        )
+        allowed_cheap = [c and i not in checkpoints for i, c in enumerate(cheap)]
+        for n in sorted({round(k * len(expensive) / steps) for k in range(1, steps + 1)}):
+            allowed = list(allowed_cheap)
+            for i in expensive[:n]:
+                allowed[i] = True
+            solutions.append(_solve(g, allowed, infos))
+    return [_plan(forward_trace, g, before, *solution) for solution in solutions]
+
+
+def _plan(forward_trace: TraceCtx, g: _ForwardGraph, before: int, saved: set[str], replay: set[int], after: int) -> RecomputePlan:
     if after > before:  # never save more than Thunder did
         saved, replay, after = {t.name for t in g.needed}, set(), before
     by_name = {t.name: t for t in g.needed}
     for b in g.bsyms:
         by_name.update((o.name, o) for o in tensor_outs(b))
-    inputs = {t.name: t for t in trace_inputs(forward_trace)}
-    by_name.update(inputs)
+    by_name.update((t.name, t) for t in trace_inputs(forward_trace))
     order = [t.name for t in g.needed if t.name in saved]
     order += sorted(saved - set(order), key=lambda n: g.producer.get(n, -1))
     return RecomputePlan(
@@ -278,6 +311,28 @@ def plan_recompute(forward_trace: TraceCtx, *, activation_budget: float = 1.0) -
         saved_bytes_before=before,
         saved_bytes_after=after,
     )
+
+
+def choose_by_budget(
+    plans: Sequence[RecomputePlan], forward_trace: TraceCtx, backward_trace: TraceCtx, budget: float
+) -> tuple[int, TraceCtx, TraceCtx]:
+    """The rung a budget takes, with its forward and backward traces.
+
+    Each rung is applied to both traces and priced by ``memory.estimate_step``. The budget places a
+    target between the lowest estimated peak (0.0) and the default's (1.0), and the rung with the
+    least recompute that meets it wins. A lower budget only removes rungs that a higher one could
+    have taken, so the estimated peak never rises as the budget falls; torch's
+    activation_memory_budget does not guarantee that (pytorch #197838).
+    """
+    candidates = []
+    for plan in plans:
+        fw = apply_to_forward(forward_trace, plan)
+        bw = apply_to_backward(backward_trace, plan)
+        candidates.append((fw, bw, estimate_step(fw, bw).peak_bytes))
+    peaks = [c[2] for c in candidates]
+    target = min(peaks) + budget * (peaks[0] - min(peaks))
+    k = next(k for k, peak in enumerate(peaks) if peak <= target)
+    return k, candidates[k][0], candidates[k][1]
 
 
 def _checkpoints(g: _ForwardGraph, min_expensive_per_segment: int = 5) -> set[int]:
@@ -324,50 +379,6 @@ def _prefix_counts(flags: Sequence[bool]) -> list[int]:
         counts.append(c)
         c += f
     return counts
-
-
-def _replay_working_set(g: _ForwardGraph, replay: set[int], checkpoints: Sequence[int], infos) -> int:
-    """Bytes the backward holds at once for replayed tensors: the largest segment's replays.
-
-    Replays are emitted just before their first reader, and a segment's replays die within that
-    segment's backward, so the working set is bounded by the largest segment's sum.
-    """
-    per_segment: dict[int, dict[str, int]] = {}
-    for i in replay:
-        storages = per_segment.setdefault(bisect.bisect_left(checkpoints, i), {})
-        for o in tensor_outs(g.bsyms[i]):
-            storages[infos[o.name].storage] = infos[infos[o.name].storage].nbytes
-    return max((sum(s.values()) for s in per_segment.values()), default=0)
-
-
-def _solve_with_budget(g, cheap, infos, budget, default, ladder_steps: int = 8):
-    """Also replay expensive ops, cheapest FLOPs first, on a ladder from the default to the most.
-
-    Each rung is scored by the backward peak it implies: saved bytes plus the largest segment's
-    replay working set. The budget places a target between the lowest score (0.0) and the
-    default's (1.0), and the rung with the least recompute that meets it wins. A lower budget only
-    removes rungs that the higher one could have chosen, so the score never rises as the budget
-    falls; torch's activation_memory_budget does not guarantee that (pytorch #197838).
-    """
-    checkpoints = sorted(_checkpoints(g))
-    expensive = sorted(
-        (i for i, k in enumerate(g.kinds) if k is OpKind.EXPENSIVE and i not in checkpoints),
-        key=lambda i: estimate_flops(g.bsyms[i]),
-    )
-    allowed_cheap = [c and i not in checkpoints for i, c in enumerate(cheap)]
-
-    def with_prefix(n: int):
-        allowed = list(allowed_cheap)
-        for i in expensive[:n]:
-            allowed[i] = True
-        return _solve(g, allowed, infos)
-
-    rungs = [default] + [
-        with_prefix(n) for n in sorted({round(k * len(expensive) / ladder_steps) for k in range(1, ladder_steps + 1)})
-    ]
-    scores = [r[2] + _replay_working_set(g, r[1], checkpoints, infos) for r in rungs]
-    target = min(scores) + budget * (scores[0] - min(scores))
-    return next(r for r, s in zip(rungs, scores) if s <= target)
 
 
 def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:

@@ -8,7 +8,7 @@ function, after its own optimization and ``del_last_used``. The passes run there
 2. ``collectives``: for thunder fsdp, just-in-time all-gathers, ZeRO-3 re-gathers in backward and
    early reduce-scatters (thunder_memopt.collectives).
 3. ``schedule``: reorder each trace (inference traces too) to lower its peak of live bytes
-   (thunder_memopt.schedule); the results are kept in ``schedule_results`` for the report. It runs
+   (thunder_memopt.schedule); the latest function's results are kept in ``schedule_results``. It runs
    last so that it prices the frees the collectives pass made early, and it keeps the collectives
    where that pass put them.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
@@ -29,6 +30,18 @@ from thunder.core.transform_common import Transform
 from thunder_memopt import collectives, recompute, schedule
 
 __all__ = ["MemoryOptimization", "PASSES"]
+
+# Rungs between the default plan and the most recompute, for budgets below 1.0.
+_LADDER_STEPS = 8
+
+
+@dataclass
+class _Pending:
+    """A forward's recompute plans, waiting for the backward that immediately follows it."""
+
+    original: TraceCtx  # the forward as Thunder handed it
+    plans: list[recompute.RecomputePlan]  # the default first
+    returned: TraceCtx  # the forward handed back to Thunder
 
 PASSES = ("recompute", "collectives", "schedule")
 
@@ -39,8 +52,10 @@ class MemoryOptimization(Transform):
     Args:
         activation_budget: in [0, 1], like torch's ``activation_memory_budget``. 1.0 saves what the
             cheapest-bytes cut over cheap ops (elementwise, casts, views, norms, activations,
-            rotary) leaves; lower values also recompute matmuls and attention, cheapest FLOPs first,
-            down to 0.0, which saves only what cannot be recomputed (block inputs).
+            rotary) leaves. Lower values also recompute matmuls and attention, cheapest FLOPs
+            first, on a ladder that ends at per-block checkpointing; the budget sets a target
+            between the default's estimated peak (1.0) and the lowest on the ladder (0.0), and the
+            least recompute that meets it is taken, so the peak never rises as the budget falls.
         passes: which passes run, a subset of ``PASSES``.
         prefetch: all-gathers issued ahead of the one being waited on (thunder fsdp).
         zero3: save shards and re-gather in backward; None detects ``FSDPType.ZERO3``.
@@ -65,7 +80,7 @@ class MemoryOptimization(Transform):
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
-        self._pending: recompute.RecomputePlan | None = None
+        self._pending: _Pending | None = None
         self._collectives = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
         self.schedule_results: list[schedule.ScheduleResult] = []
 
@@ -73,32 +88,54 @@ class MemoryOptimization(Transform):
         return f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
+        if TraceTag.BACKWARD not in computation_trace.tags:
+            # Keep only the latest function's results: one instance serves every dynamo subgraph.
+            self.schedule_results = []
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
-            return self._schedule(self._collectives_forward(self._forward(computation_trace)))
+            return self._forward(computation_trace)
         if TraceTag.BACKWARD in computation_trace.tags:
-            return self._schedule(self._collectives_backward(self._backward(computation_trace)))
+            return self._backward(computation_trace)
         return self._schedule(computation_trace)
 
     def _forward(self, trace: TraceCtx) -> TraceCtx:
         self._pending = None
-        if "recompute" not in self.passes:
-            return trace
-        try:
-            plan = recompute.plan_recompute(trace, activation_budget=self.activation_budget)
-            new_trace = recompute.apply_to_forward(trace, plan)
-        except Exception as e:  # the pass must never break a user's training
-            warnings.warn(f"thunder_memopt: recompute left this trace unchanged ({type(e).__name__}: {e})")
-            return trace
-        self._pending = plan
-        return new_trace
+        recomputed = trace
+        if "recompute" in self.passes:
+            try:
+                steps = 0 if self.activation_budget == 1.0 else _LADDER_STEPS
+                plans = recompute.plan_ladder(trace, steps=steps)
+                recomputed = recompute.apply_to_forward(trace, plans[0])
+            except Exception as e:  # the pass must never break a user's training
+                warnings.warn(f"thunder_memopt: recompute left this trace unchanged ({type(e).__name__}: {e})")
+                plans = None
+        out = self._after_recompute_forward(recomputed)
+        if "recompute" in self.passes and plans is not None:
+            self._pending = _Pending(original=trace, plans=plans, returned=out)
+        return out
 
     def _backward(self, trace: TraceCtx) -> TraceCtx:
-        plan, self._pending = self._pending, None
-        if plan is None:
-            return trace
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._after_recompute_backward(trace)
         # The forward was already changed; failing here would leave the pair inconsistent, so any
         # mismatch is an error rather than a silent fallback.
-        return recompute.apply_to_backward(trace, plan)
+        if len(pending.plans) == 1:
+            return self._after_recompute_backward(recompute.apply_to_backward(trace, pending.plans[0]))
+        k, forward, backward = recompute.choose_by_budget(pending.plans, pending.original, trace, self.activation_budget)
+        if k:
+            # Thunder compiles the forward trace only after this hook returns (it calls every
+            # transform on the forward, then the backward, then builds both callables), so the
+            # forward handed back earlier can still take the chosen rung.
+            chosen = self._after_recompute_forward(forward)
+            pending.returned.bound_symbols = chosen.bound_symbols
+            pending.returned.scopes = [pending.returned.bound_symbols]
+        return self._after_recompute_backward(backward)
+
+    def _after_recompute_forward(self, trace: TraceCtx) -> TraceCtx:
+        return self._schedule(self._collectives_forward(trace))
+
+    def _after_recompute_backward(self, trace: TraceCtx) -> TraceCtx:
+        return self._schedule(self._collectives_backward(trace))
 
     def _schedule(self, trace: TraceCtx) -> TraceCtx:
         if "schedule" not in self.passes:
