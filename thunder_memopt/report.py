@@ -41,6 +41,7 @@ class Column:
     peak_phase: str
     measured_peak: int | None  # CUDA max_memory_allocated minus memory before the step
     compile_seconds: float
+    schedule: tuple  # thunder_memopt.schedule.ScheduleResult of the forward and backward, if it ran
 
 
 class WithLoss(torch.nn.Module):
@@ -64,7 +65,8 @@ def measure_column(name: str, args: argparse.Namespace, transforms_factory, laye
         cfg = narrow_config(args.model_name, n_layer=n_layer, n_embd=args.n_embd, block_size=args.block_size)
         model = build_model(cfg, dtype=dtype, device=device)
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device)
-        jitted = thunder.jit(WithLoss(model), transforms=transforms_factory())
+        transforms = transforms_factory()
+        jitted = thunder.jit(WithLoss(model), transforms=transforms)
         start = time.perf_counter()
         measured = measure_saved(jitted, x, y, parameters=[*model.parameters(), *model.buffers()])
         seconds = time.perf_counter() - start
@@ -75,9 +77,10 @@ def measure_column(name: str, args: argparse.Namespace, transforms_factory, laye
             loss.backward()
             fw, bw = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
             est = estimate_step(fw, bw)
-            result = (saved_for_backward(fw), est, _measured_peak(model, jitted, x, y, device), seconds)
+            schedule = tuple(r for t in transforms for r in getattr(t, "schedule_results", ()))
+            result = (saved_for_backward(fw), est, _measured_peak(model, jitted, x, y, device), seconds, schedule)
         print(f"  {name}: {n_layer} layers, saved {saved[-1] / MiB:.1f} MiB (first call {seconds:.1f} s)", flush=True)
-    inventory, est, measured_peak, seconds = result
+    inventory, est, measured_peak, seconds, schedule = result
     return Column(
         name=name,
         saved_small=saved[0],
@@ -87,6 +90,7 @@ def measure_column(name: str, args: argparse.Namespace, transforms_factory, laye
         peak_phase=est.peak_phase,
         measured_peak=measured_peak,
         compile_seconds=seconds,
+        schedule=schedule,
     )
 
 
@@ -145,6 +149,16 @@ def format_report(args: argparse.Namespace, columns: Sequence[Column], layer_cou
         "| measured peak (CUDA max allocated above the step's start) | " + " | ".join(_fmt_bytes(c.measured_peak) for c in columns) + " |",
         "| first call (compile + step) | " + " | ".join(f"{c.compile_seconds:.1f} s" for c in columns) + " |",
     ]
+    for c in columns:
+        if not c.schedule:
+            continue
+        lines += ["", f"## Schedule pass: estimated peak of each trace, {c.name}", ""]
+        lines += ["| trace | before | after | order | peak at | source |", "|---|---|---|---|---|---|"]
+        for name, r in zip(("forward", "backward"), c.schedule):
+            lines.append(
+                f"| {name} | {_fmt_bytes(r.peak_before)} | {_fmt_bytes(r.peak_after)} | {r.method} "
+                f"| {r.peak_op} | {_short_source(r.peak_source or '?')} |"
+            )
     for c in columns:
         lines += ["", f"## Saved for backward by op and source line: {c.name} (largest first)", ""]
         lines += ["| bytes | tensors | op | source |", "|---|---|---|---|"]
