@@ -33,7 +33,6 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transforms import (
-    _update_backward_with_new_saved_for_backward,
     _update_forward_with_new_saved_for_backward,
 )
 
@@ -48,6 +47,7 @@ from thunder_memopt.memory import (
     tensor_outs,
     trace_inputs,
 )
+from thunder_memopt.recompute import replay_in_backward
 
 __all__ = [
     "ALL_GATHER",
@@ -277,40 +277,11 @@ def apply_zero3_to_forward(forward_trace: TraceCtx, plan: Zero3Plan) -> TraceCtx
     return replace_bound_symbols(new, new.bound_symbols, "thunder_memopt collectives: ZeRO-3 saves shards (forward)")
 
 
-def _needed_replays(bsym: BoundSymbol, producer: dict[str, BoundSymbol], emitted: set[int]) -> list[BoundSymbol]:
-    """The not-yet-emitted replayed symbols that ``bsym`` reads, transitively (futures included)."""
-    chain: dict[int, BoundSymbol] = {}
-    stack = [a.name for a in bsym.flat_proxy_args if hasattr(a, "name")]
-    while stack:
-        p = producer.get(stack.pop())
-        if p is None or id(p) in emitted or id(p) in chain:
-            continue
-        chain[id(p)] = p
-        stack.extend(a.name for a in p.flat_proxy_args if hasattr(a, "name"))
-    return list(chain.values())
-
-
 def apply_zero3_to_backward(backward_trace: TraceCtx, plan: Zero3Plan) -> TraceCtx:
     """The backward receiving shards and re-gathering each weight just before its first reader."""
-    saved_tensors, saved_others = backward_trace.args[0]
-    received = tuple(t.name for t in saved_tensors)
-    if received != plan.key:
-        raise RuntimeError(
-            "thunder_memopt: the backward trace does not receive the tensors its forward saved "
-            f"({len(received)} received, {len(plan.key)} saved); refusing to re-gather"
-        )
-    new = strip_deletions(backward_trace)
-    _update_backward_with_new_saved_for_backward(new, [*plan.saved, *saved_others])
-    producer = {o.name: b for b in plan.regather for o in b.flat_proxy_outs if hasattr(o, "name")}
-    position = {id(b): i for i, b in enumerate(plan.regather)}
-    emitted: set[int] = set()
-    out: list[BoundSymbol] = []
-    for bsym in new.bound_symbols:
-        for b in sorted(_needed_replays(bsym, producer, emitted), key=lambda b: position[id(b)]):
-            emitted.add(id(b))
-            out.append(b.from_bsym())
-        out.append(bsym)
-    return replace_bound_symbols(new, out, "thunder_memopt collectives: ZeRO-3 re-gathers (backward)")
+    return replay_in_backward(
+        backward_trace, key=plan.key, saved=plan.saved, replayed=plan.regather, what="re-gather (ZeRO-3)"
+    )
 
 
 @dataclass

@@ -57,6 +57,7 @@ __all__ = [
     "choose_by_budget",
     "apply_to_forward",
     "apply_to_backward",
+    "replay_in_backward",
 ]
 
 
@@ -391,33 +392,46 @@ def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
 
 def apply_to_backward(backward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
     """The backward trace receiving ``plan.saved`` and replaying ``plan.recompute`` as needed."""
+    return replay_in_backward(
+        backward_trace, key=plan.key, saved=plan.saved, replayed=plan.recompute, what="recompute"
+    )
+
+
+def replay_in_backward(
+    backward_trace: TraceCtx,
+    *,
+    key: Sequence[str],
+    saved: Sequence[TensorProxy],
+    replayed: Sequence[BoundSymbol],
+    what: str,
+) -> TraceCtx:
+    """The backward receiving ``saved`` instead of ``key`` and running each of ``replayed`` (forward
+    symbols, in forward order) just before the first symbol that reads what it produces."""
     if TraceTag.BACKWARD not in backward_trace.tags:
-        raise ValueError("apply_to_backward needs a backward trace")
+        raise ValueError("replay_in_backward needs a backward trace")
     saved_tensors, saved_others = backward_trace.args[0]
     received = tuple(t.name for t in saved_tensors)
-    if received != plan.key:
+    if received != tuple(key):
         raise RuntimeError(
             "thunder_memopt: the backward trace does not receive the tensors its forward saved "
-            f"({len(received)} received, {len(plan.key)} saved); refusing to recompute"
+            f"({len(received)} received, {len(key)} saved); refusing to {what}"
         )
     new = strip_deletions(backward_trace)
-    _update_backward_with_new_saved_for_backward(new, [*plan.saved, *saved_others])
-    producer = {o.name: b for b in plan.recompute for o in tensor_outs(b)}
-    position = {id(b): i for i, b in enumerate(plan.recompute)}
+    _update_backward_with_new_saved_for_backward(new, [*saved, *saved_others])
+    producer = {o.name: b for b in replayed for o in b.flat_proxy_outs if hasattr(o, "name")}
+    position = {id(b): i for i, b in enumerate(replayed)}
     emitted: set[int] = set()
     out: list[BoundSymbol] = []
     for bsym in new.bound_symbols:
-        pending = _replay_chain(bsym, producer, emitted)
-        for b in sorted(pending, key=lambda b: position[id(b)]):
+        for b in sorted(_replay_chain(bsym, producer, emitted), key=lambda b: position[id(b)]):
             emitted.add(id(b))
             out.append(b.from_bsym())
         out.append(bsym)
-    new.bound_symbols = out
-    return replace_bound_symbols(new, out, "thunder_memopt recompute: replay in backward")
+    return replace_bound_symbols(new, out, f"thunder_memopt {what}: replay in backward")
 
 
 def _replay_chain(bsym: BoundSymbol, producer: dict[str, BoundSymbol], emitted: set[int]) -> list[BoundSymbol]:
-    """The not-yet-emitted replayed symbols that ``bsym`` needs, transitively."""
+    """The not-yet-emitted replayed symbols that ``bsym`` reads, transitively (futures included)."""
     chain: dict[int, BoundSymbol] = {}
     stack = [a.name for a in bsym.flat_proxy_args if hasattr(a, "name")]
     while stack:
@@ -425,5 +439,5 @@ def _replay_chain(bsym: BoundSymbol, producer: dict[str, BoundSymbol], emitted: 
         if p is None or id(p) in emitted or id(p) in chain:
             continue
         chain[id(p)] = p
-        stack.extend(a.name for a in tensor_args(p))
+        stack.extend(a.name for a in p.flat_proxy_args if hasattr(a, "name"))
     return list(chain.values())
