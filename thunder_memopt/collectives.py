@@ -26,15 +26,12 @@ the recompute pass does, and must run after it on both traces.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, TraceTag
-from thunder.core.transforms import (
-    _update_forward_with_new_saved_for_backward,
-)
+from thunder.core.trace import TraceCtx
 
 from thunder_memopt.memory import (
     estimate_memory,
@@ -45,9 +42,8 @@ from thunder_memopt.memory import (
     strip_deletions,
     tensor_args,
     tensor_outs,
-    trace_inputs,
 )
-from thunder_memopt.recompute import replay_in_backward
+from thunder_memopt.recompute import replay_in_backward, save_in_forward
 
 __all__ = [
     "ALL_GATHER",
@@ -271,10 +267,7 @@ def plan_zero3(forward_trace: TraceCtx) -> Zero3Plan:
 
 def apply_zero3_to_forward(forward_trace: TraceCtx, plan: Zero3Plan) -> TraceCtx:
     """The forward saving ``plan.saved``: unsharded weights die after their last forward use."""
-    new = strip_deletions(forward_trace)
-    _, others = saved_proxies(forward_trace)
-    _update_forward_with_new_saved_for_backward(new, [*plan.saved, *others])
-    return replace_bound_symbols(new, new.bound_symbols, "thunder_memopt collectives: ZeRO-3 saves shards (forward)")
+    return save_in_forward(forward_trace, plan.saved, what="ZeRO-3")
 
 
 def apply_zero3_to_backward(backward_trace: TraceCtx, plan: Zero3Plan) -> TraceCtx:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import networkx as nx
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, TraceTag, from_trace, TraceProvenance
+from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transforms import (
     _update_backward_with_new_saved_for_backward,
     _update_forward_with_new_saved_for_backward,
@@ -58,6 +58,7 @@ __all__ = [
     "apply_to_forward",
     "apply_to_backward",
     "replay_in_backward",
+    "save_in_forward",
 ]
 
 
@@ -384,10 +385,15 @@ def _prefix_counts(flags: Sequence[bool]) -> list[int]:
 
 def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
     """The forward trace saving ``plan.saved`` instead of its original set."""
+    return save_in_forward(forward_trace, plan.saved, what="recompute")
+
+
+def save_in_forward(forward_trace: TraceCtx, saved: Sequence[TensorProxy], *, what: str) -> TraceCtx:
+    """The forward returning ``saved`` as its saved tensors, deletions placed anew."""
     new = strip_deletions(forward_trace)
     _, others = saved_proxies(forward_trace)
-    _update_forward_with_new_saved_for_backward(new, [*plan.saved, *others])
-    return replace_bound_symbols(new, new.bound_symbols, "thunder_memopt recompute: new saved set (forward)")
+    _update_forward_with_new_saved_for_backward(new, [*saved, *others])
+    return replace_bound_symbols(new, new.bound_symbols, f"thunder_memopt {what}: new saved set (forward)")
 
 
 def apply_to_backward(backward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
