@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transforms import (
@@ -35,6 +36,7 @@ from thunder.core.transforms import (
 )
 
 from thunder_memopt.memory import (
+    TensorInfo,
     estimate_step,
     is_bookkeeping,
     is_parameter,
@@ -162,10 +164,6 @@ class RecomputePlan:
     saved_bytes_before: int  # storages, parameters excluded
     saved_bytes_after: int
 
-    @property
-    def recomputed_names(self) -> frozenset[str]:
-        return frozenset(o.name for b in self.recompute for o in tensor_outs(b))
-
 
 @dataclass(frozen=True)
 class _ForwardGraph:
@@ -176,6 +174,8 @@ class _ForwardGraph:
     inputs: frozenset[str]
     needed: tuple[TensorProxy, ...]  # the original saved tensors
     outputs: tuple[str, ...]  # the forward's own outputs
+    infos: dict[str, TensorInfo]  # every tensor's storage (memory.storage_roots)
+    proxies: dict[str, TensorProxy]  # every tensor by name
 
 
 def _forward_graph(trace: TraceCtx) -> _ForwardGraph:
@@ -189,6 +189,8 @@ def _forward_graph(trace: TraceCtx) -> _ForwardGraph:
         root = info.storage
         cost[name] = 0 if root in params else infos[root].nbytes
     needed, _ = saved_proxies(trace)
+    proxies = {t.name: t for t in (*needed, *inputs)}
+    proxies.update((o.name, o) for b in bsyms for o in tensor_outs(b))
     return _ForwardGraph(
         bsyms=bsyms,
         producer=producer,
@@ -197,12 +199,12 @@ def _forward_graph(trace: TraceCtx) -> _ForwardGraph:
         inputs=frozenset(t.name for t in inputs),
         needed=tuple(needed),
         outputs=tuple(_forward_outputs(trace)),
+        infos=infos,
+        proxies=proxies,
     )
 
 
 def _forward_outputs(trace: TraceCtx) -> list[str]:
-    from thunder.core.pytree import tree_flatten
-
     flat, _ = tree_flatten(trace.bound_symbols[-1].args[0].get("flat_output", ()))
     return [t.name for t in flat if isinstance(t, TensorProxy)]
 
@@ -255,13 +257,13 @@ def _closure(g: _ForwardGraph, saved: set[str], replayable: Sequence[bool]) -> t
     return saved, replay
 
 
-def _saved_bytes(g: _ForwardGraph, saved: set[str], infos) -> int:
-    return sum({infos[n].storage: g.cost[n] for n in saved}.values())
+def _saved_bytes(g: _ForwardGraph, saved: set[str]) -> int:
+    return sum({g.infos[n].storage: g.cost[n] for n in saved}.values())
 
 
-def _solve(g: _ForwardGraph, replayable: Sequence[bool], infos) -> tuple[set[str], set[int], int]:
+def _solve(g: _ForwardGraph, replayable: Sequence[bool]) -> tuple[set[str], set[int], int]:
     saved, replay = _closure(g, _min_cut_saved(g, replayable), replayable)
-    return saved, replay, _saved_bytes(g, saved, infos)
+    return saved, replay, _saved_bytes(g, saved)
 
 
 def plan_recompute(forward_trace: TraceCtx) -> RecomputePlan:
@@ -278,10 +280,9 @@ def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePla
     ``choose_by_budget`` once the backward trace is known.
     """
     g = _forward_graph(forward_trace)
-    infos = storage_roots(forward_trace)
     cheap = [k is OpKind.CHEAP for k in g.kinds]
-    before = _saved_bytes(g, {t.name for t in g.needed}, infos)
-    solutions = [_solve(g, cheap, infos)]
+    before = _saved_bytes(g, {t.name for t in g.needed})
+    solutions = [_solve(g, cheap)]
     if steps:
         checkpoints = _checkpoints(g)
         expensive = sorted(
@@ -293,22 +294,18 @@ def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePla
             allowed = list(allowed_cheap)
             for i in expensive[:n]:
                 allowed[i] = True
-            solutions.append(_solve(g, allowed, infos))
-    return [_plan(forward_trace, g, before, *solution) for solution in solutions]
+            solutions.append(_solve(g, allowed))
+    return [_plan(g, before, *solution) for solution in solutions]
 
 
-def _plan(forward_trace: TraceCtx, g: _ForwardGraph, before: int, saved: set[str], replay: set[int], after: int) -> RecomputePlan:
+def _plan(g: _ForwardGraph, before: int, saved: set[str], replay: set[int], after: int) -> RecomputePlan:
     if after > before:  # never save more than Thunder did
         saved, replay, after = {t.name for t in g.needed}, set(), before
-    by_name = {t.name: t for t in g.needed}
-    for b in g.bsyms:
-        by_name.update((o.name, o) for o in tensor_outs(b))
-    by_name.update((t.name, t) for t in trace_inputs(forward_trace))
     order = [t.name for t in g.needed if t.name in saved]
     order += sorted(saved - set(order), key=lambda n: g.producer.get(n, -1))
     return RecomputePlan(
         key=tuple(t.name for t in g.needed),
-        saved=tuple(by_name[n] for n in order),
+        saved=tuple(g.proxies[n] for n in order),
         recompute=tuple(g.bsyms[i] for i in sorted(replay)),
         saved_bytes_before=before,
         saved_bytes_after=after,
