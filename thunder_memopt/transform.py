@@ -43,6 +43,7 @@ class _Pending:
     plans: list[recompute.RecomputePlan]  # the default first
     returned: TraceCtx  # the forward handed back to Thunder
 
+
 PASSES = ("recompute", "collectives", "schedule")
 
 
@@ -99,7 +100,7 @@ class MemoryOptimization(Transform):
 
     def _forward(self, trace: TraceCtx) -> TraceCtx:
         self._pending = None
-        recomputed = trace
+        recomputed, plans = trace, None
         if "recompute" in self.passes:
             try:
                 steps = 0 if self.activation_budget == 1.0 else _LADDER_STEPS
@@ -109,7 +110,7 @@ class MemoryOptimization(Transform):
                 warnings.warn(f"thunder_memopt: recompute left this trace unchanged ({type(e).__name__}: {e})")
                 plans = None
         out = self._after_recompute_forward(recomputed)
-        if "recompute" in self.passes and plans is not None:
+        if plans is not None:
             self._pending = _Pending(original=trace, plans=plans, returned=out)
         return out
 
@@ -125,7 +126,9 @@ class MemoryOptimization(Transform):
         if k:
             # Thunder compiles the forward trace only after this hook returns (it calls every
             # transform on the forward, then the backward, then builds both callables), so the
-            # forward handed back earlier can still take the chosen rung.
+            # forward handed back earlier can still take the chosen rung. Its schedule result
+            # replaces the default rung's.
+            self.schedule_results = []
             chosen = self._after_recompute_forward(forward)
             pending.returned.bound_symbols = chosen.bound_symbols
             pending.returned.scopes = [pending.returned.bound_symbols]
