@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -130,9 +131,10 @@ def schedule_all_gathers(trace: TraceCtx, prefetch: int) -> TraceCtx:
     return replace_bound_symbols(stripped, out, "thunder_memopt collectives: just-in-time all-gathers")
 
 
-def _hoisted_chain(bsyms: Sequence[BoundSymbol], rs_index: int, readers: dict[str, list[int]]) -> list[int]:
+def _hoisted_chain(
+    bsyms: Sequence[BoundSymbol], rs_index: int, readers: dict[str, list[int]], producer: dict[str, int]
+) -> list[int]:
     """The reduce-scatter and the single-input, single-reader ops feeding it (the ``/ world_size``)."""
-    producer = {o.name: i for i, b in enumerate(bsyms) if not is_bookkeeping(b) for o in tensor_outs(b)}
     chain = [rs_index]
     while True:
         args = tensor_args(bsyms[chain[-1]])
@@ -155,7 +157,7 @@ class _Scatter:
     def members(self) -> tuple[BoundSymbol, ...]:
         return self.chain if self.wait is None else (*self.chain, self.wait)
 
-    @property
+    @cached_property  # read for every pending scatter after every symbol of the backward
     def needs(self) -> set[str]:
         made = {o.name for b in self.chain for o in tensor_outs(b)}
         return {a.name for b in self.chain for a in tensor_args(b)} - made
@@ -163,10 +165,12 @@ class _Scatter:
 
 def _scatters(bsyms: Sequence[BoundSymbol]) -> list[_Scatter]:
     readers = _consumers(bsyms)
+    # Built once, not per reduce-scatter: the backward has one per gradient.
+    producer = {o.name: i for i, b in enumerate(bsyms) if not is_bookkeeping(b) for o in tensor_outs(b)}
     waits = {b.flat_proxy_args[0].name: b for b in bsyms if _name(b) == WAIT}
     return [
         _Scatter(
-            chain=tuple(bsyms[j] for j in reversed(_hoisted_chain(bsyms, i, readers))),
+            chain=tuple(bsyms[j] for j in reversed(_hoisted_chain(bsyms, i, readers, producer))),
             wait=waits.get(b.flat_proxy_outs[0].name),
         )
         for i, b in enumerate(bsyms)
