@@ -53,6 +53,7 @@ from thunder_memopt.memory import (
 __all__ = [
     "OpKind",
     "op_kind",
+    "leaf_names",
     "RecomputePlan",
     "plan_recompute",
     "plan_ladder",
@@ -117,10 +118,11 @@ def _normalized(name: str) -> str:
     return name
 
 
-def _leaf_names(bsym: BoundSymbol) -> list[str]:
+def leaf_names(bsym: BoundSymbol) -> list[str]:
+    """The normalized names of the innermost symbols a bound symbol decomposes into."""
     if not bsym.subsymbols:
         return [_normalized(bsym.sym.name)]
-    return [n for sub in bsym.subsymbols for n in _leaf_names(sub)]
+    return [n for sub in bsym.subsymbols for n in leaf_names(sub)]
 
 
 def op_kind(bsym: BoundSymbol) -> OpKind:
@@ -133,7 +135,7 @@ def op_kind(bsym: BoundSymbol) -> OpKind:
         return OpKind.NEVER
     if names & _EXPENSIVE_NAMES or any("sdpa" in n or "attention" in n or "flash" in n for n in names):
         return OpKind.EXPENSIVE
-    if all(n in _CHEAP_LEAVES for n in _leaf_names(bsym)):
+    if all(n in _CHEAP_LEAVES for n in leaf_names(bsym)):
         return OpKind.CHEAP
     return OpKind.NEVER
 
@@ -216,6 +218,8 @@ def _min_cut_saved(g: _ForwardGraph, replayable: Sequence[bool]) -> set[str]:
     inputs' ``out`` to its outputs' ``in``; inputs and non-replayable outputs hang off the source,
     and the backward's needs off the sink. Tensors whose edge crosses the cut are saved.
     """
+    if not g.needed:  # the backward reads nothing the forward made (an embedding-only graph, say)
+        return set()
     graph = nx.DiGraph()
     for name in g.cost:
         graph.add_edge((name, 0), (name, 1), capacity=g.cost[name])
@@ -321,7 +325,8 @@ def choose_by_budget(
     target between the lowest estimated peak (0.0) and the default's (1.0), and the rung with the
     least recompute that meets it wins. A lower budget only removes rungs that a higher one could
     have taken, so the estimated peak never rises as the budget falls; torch's
-    activation_memory_budget does not guarantee that (pytorch #197838).
+    activation_memory_budget does not guarantee that (pytorch #197838). Budget 0.0 takes, among the
+    rungs at the lowest estimated peak, the one that saves least.
     """
     candidates = []
     for plan in plans:
@@ -330,7 +335,11 @@ def choose_by_budget(
         candidates.append((fw, bw, estimate_step(fw, bw).peak_bytes))
     peaks = [c[2] for c in candidates]
     target = min(peaks) + budget * (peaks[0] - min(peaks))
-    k = next(k for k, peak in enumerate(peaks) if peak <= target)
+    meeting = [k for k, peak in enumerate(peaks) if peak <= target]
+    # At 0.0 memory is all that counts: of the rungs at the lowest estimated peak, the one that saves
+    # least (the ladder's end is per-block checkpointing), since the estimate can tie rungs whose
+    # real peaks differ. Otherwise the least recompute that meets the target.
+    k = min(meeting, key=lambda k: plans[k].saved_bytes_after) if budget == 0.0 else meeting[0]
     return k, candidates[k][0], candidates[k][1]
 
 
