@@ -4,7 +4,8 @@ Thunder hands every transform the forward trace and then the backward trace of e
 function, after its own optimization and ``del_last_used``. The passes run there, in this order:
 
 1. ``recompute``: choose, by a min-cut over real tensor bytes, what the forward saves for backward,
-   and recompute the rest in the backward (thunder_memopt.recompute).
+   and recompute the rest in the backward (thunder_memopt.recompute). On CUDA the replayed
+   elementwise stretches then run as compiled kernels with eager rounding (thunder_memopt.fuse).
 2. ``collectives``: for thunder fsdp, just-in-time all-gathers, ZeRO-3 re-gathers in backward and
    early reduce-scatters (thunder_memopt.collectives).
 3. ``schedule``: reorder each trace (inference traces too) to lower its peak of live bytes
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_memopt import collectives, recompute, schedule
+from thunder_memopt import collectives, fuse, recompute, schedule
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
@@ -60,6 +61,10 @@ class MemoryOptimization(Transform):
         passes: which passes run, a subset of ``PASSES``.
         prefetch: all-gathers issued ahead of the one being waited on (thunder fsdp).
         zero3: save shards and re-gather in backward; None detects ``FSDPType.ZERO3``.
+        fuse_replays: compile each stretch of replayed elementwise ops in the backward into one
+            kernel (thunder_memopt.fuse). None does it when the tensors are on CUDA, where unfused
+            replays cost as much as the forward's LayerNorm, GELU and rotary again. Fused replays
+            change gradients in their last bits; False keeps them bit-identical to plain Thunder.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class MemoryOptimization(Transform):
         passes: Sequence[str] = PASSES,
         prefetch: int = 2,
         zero3: bool | None = None,
+        fuse_replays: bool | None = None,
     ) -> None:
         if isinstance(activation_budget, bool) or not isinstance(activation_budget, (int, float)):
             raise TypeError(f"activation_budget must be a number in [0, 1], got {activation_budget!r}")
@@ -79,6 +85,10 @@ class MemoryOptimization(Transform):
         unknown = [p for p in passes if p not in PASSES]
         if unknown:
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
+        if fuse_replays not in (None, True, False):
+            raise TypeError(f"fuse_replays must be None, True or False, got {fuse_replays!r}")
+        self.fuse_replays = fuse_replays
+        self.fuse_results: list[fuse.FuseResult] = []
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
         self._pending: _Pending | None = None
@@ -92,6 +102,7 @@ class MemoryOptimization(Transform):
         if TraceTag.BACKWARD not in computation_trace.tags:
             # Keep only the latest function's results: one instance serves every dynamo subgraph.
             self.schedule_results = []
+            self.fuse_results = []
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             return self._forward(computation_trace)
         if TraceTag.BACKWARD in computation_trace.tags:
@@ -121,7 +132,8 @@ class MemoryOptimization(Transform):
         # The forward was already changed; failing here would leave the pair inconsistent, so any
         # mismatch is an error rather than a silent fallback.
         if len(pending.plans) == 1:
-            return self._after_recompute_backward(recompute.apply_to_backward(trace, pending.plans[0]))
+            backward = recompute.apply_to_backward(trace, pending.plans[0])
+            return self._after_recompute_backward(self._fuse(backward, pending.plans[0]))
         k, forward, backward = recompute.choose_by_budget(pending.plans, pending.original, trace, self.activation_budget)
         if k:
             # Thunder compiles the forward trace only after this hook returns (it calls every
@@ -132,7 +144,18 @@ class MemoryOptimization(Transform):
             chosen = self._after_recompute_forward(forward)
             pending.returned.bound_symbols = chosen.bound_symbols
             pending.returned.scopes = [pending.returned.bound_symbols]
-        return self._after_recompute_backward(backward)
+        return self._after_recompute_backward(self._fuse(backward, pending.plans[k]))
+
+    def _fuse(self, backward: TraceCtx, plan: recompute.RecomputePlan) -> TraceCtx:
+        replayed = {o.name for b in plan.recompute for o in b.flat_proxy_outs if hasattr(o, "name")}
+        wanted = self.fuse_replays
+        if wanted is None:
+            wanted = fuse.can_fuse_on(backward, replayed)
+        if not wanted or not replayed:
+            return backward
+        result = fuse.fuse_replays(backward, replayed)
+        self.fuse_results.append(result)
+        return result.trace
 
     def _after_recompute_forward(self, trace: TraceCtx) -> TraceCtx:
         return self._schedule(self._collectives_forward(trace))
