@@ -62,6 +62,7 @@ import make_table  # noqa: E402  (benchmarks/ is sys.path[0] when this file runs
 BACKENDS = ("eager", "eager-ac", "inductor", "inductor-budget", "thunder", "thunder+memopt")
 THUNDER_BACKENDS = ("thunder", "thunder+memopt")
 DISTRIBUTED_MODES = ("fsdp2", "thunder-fsdp", "none")
+FUSE_REPLAYS = {"auto": None, "on": True, "off": False}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 # Small, so that a handful of steps moves every backend's weights alike and the losses stay comparable.
@@ -110,6 +111,8 @@ class Trial:
     seed: int
     search: bool = False  # a --find-max-block-size probe: only whether it fits matters
     memopt_passes: tuple[str, ...] | None = None  # thunder+memopt: MemoryOptimization(passes=...); None: all
+    fuse_replays: str = "auto"  # thunder+memopt: MemoryOptimization(fuse_replays=...): auto, on or off
+    autocast: bool = False  # bf16 torch.autocast over parameters kept in ``dtype``
     profile: bool = False
     memory_snapshot: str | None = None
 
@@ -117,6 +120,10 @@ class Trial:
         budget = "" if self.budget is None else f" budget={self.budget:g}"
         if self.memopt_passes is not None:
             budget += f" passes={'+'.join(self.memopt_passes)}"
+        if self.backend == "thunder+memopt" and self.fuse_replays != "auto":
+            budget += f" fuse_replays={self.fuse_replays}"
+        if self.autocast:
+            budget += " autocast"
         sharding = make_table.sharding_of(dataclasses.asdict(self))
         return (f"{self.backend}{budget} T={self.block_size} "
                 f"({self.model}, {self.n_layer} layers, {sharding}, world size {self.world_size})")
@@ -158,6 +165,12 @@ class Training:
     parameters_owner: torch.nn.Module
     fsdp_root: torch.nn.Module | None  # the fully_shard root under fsdp2
     reshard_after_forward: bool
+    autocast_device: str | None = None  # bf16 autocast on this device type around the forward
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_device is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.autocast_device, dtype=torch.bfloat16)
 
     @contextlib.contextmanager
     def forward_parameters(self) -> Iterator[list[torch.Tensor]]:
@@ -195,12 +208,15 @@ def shard_with_fsdp2(gpt: torch.nn.Module, trial: Trial) -> None:
 
     The model is built in ``trial.dtype``, and the policy computes and reduces in that dtype, which
     for bf16 makes it a no-op cast (the reference numbers: bf16 model + MixedPrecisionPolicy(bf16)).
+    Under ``--autocast`` the policy casts nothing: the parameters are gathered in their own dtype and
+    autocast's casts of them run inside the compiled graphs.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = torch_dtype(trial.dtype)
+    policy = MixedPrecisionPolicy() if trial.autocast else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     options = {
-        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
+        "mp_policy": policy,
         "reshard_after_forward": trial.shard_mode == "zero3",
     }
     for block in gpt.transformer.h:
@@ -213,9 +229,10 @@ def shard_with_fsdp2(gpt: torch.nn.Module, trial: Trial) -> None:
 def memory_optimization(trial: Trial):
     from thunder_memopt import MemoryOptimization
 
-    if trial.memopt_passes is None:
-        return MemoryOptimization(activation_budget=trial.budget)
-    return MemoryOptimization(activation_budget=trial.budget, passes=trial.memopt_passes)
+    options = {"activation_budget": trial.budget, "fuse_replays": FUSE_REPLAYS[trial.fuse_replays]}
+    if trial.memopt_passes is not None:
+        options["passes"] = trial.memopt_passes
+    return MemoryOptimization(**options)
 
 
 def thunder_transforms(trial: Trial) -> list:
@@ -260,11 +277,13 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
     if trial.distributed_mode == "fsdp2":
         shard_with_fsdp2(gpt, trial)
     module = GPTWithLoss(gpt)
+    autocast_device = device.type if trial.autocast else None
     if trial.distributed_mode == "thunder-fsdp":
         sharded = thunder_fsdp(module, trial, device)
-        return Training(sharded, sharded, fsdp_root=None, reshard_after_forward=zero3)
+        return Training(sharded, sharded, fsdp_root=None, reshard_after_forward=zero3, autocast_device=autocast_device)
     fsdp_root = gpt if trial.distributed_mode == "fsdp2" else None
-    return Training(compile_for_backend(module, trial), module, fsdp_root=fsdp_root, reshard_after_forward=zero3)
+    return Training(compile_for_backend(module, trial), module, fsdp_root=fsdp_root, reshard_after_forward=zero3,
+                    autocast_device=autocast_device)
 
 
 def synchronize(device: torch.device) -> None:
@@ -282,7 +301,8 @@ def timed(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch
 
 def train_step(training: Training, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
-    loss = training.forward(input_ids, targets)
+    with training.autocast():
+        loss = training.forward(input_ids, targets)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -688,7 +708,8 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                  distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,
                  world_size=1 if args.distributed_mode == "none" else world_size, backend=args.compile[0], budget=None,
                  warmup=args.warmup, iters=args.iters, seed=args.seed, profile=args.profile,
-                 memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes))
+                 memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
+                 fuse_replays=args.memopt_fuse_replays, autocast=args.autocast)
 
 
 def snapshot_path(base: str | None, trial: Trial) -> str | None:
@@ -856,6 +877,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                        f"{GPU_DEFAULT_BLOCK_SIZE} on GPU, {CPU_DEFAULT_BLOCK_SIZE} on CPU")
     model.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank and step")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameters and compute")
+    model.add_argument("--autocast", action="store_true",
+                       help="bf16 torch.autocast over parameters kept in --dtype (which must then be fp32)")
     model.add_argument("--seed", type=int, default=0, help="weights and batch (rank r's batch: seed + r)")
 
     sharding = parser.add_argument_group("sharding")
@@ -872,6 +895,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                           help="torch._functorch.config.activation_memory_budget for inductor-budget (a row each)")
     backends.add_argument("--memopt-passes", nargs="+", default=None,
                           help="MemoryOptimization(passes=...) for thunder+memopt (default: every pass)")
+    backends.add_argument("--memopt-fuse-replays", choices=sorted(FUSE_REPLAYS), default="auto",
+                          help="MemoryOptimization(fuse_replays=...): auto fuses on CUDA (default), on, off")
     backends.add_argument("--memopt-budget", type=float, nargs="+", default=[1.0],
                           help="MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")
 
@@ -905,6 +930,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         parser.error("thunder-fsdp shards inside thunder.jit: only the thunder backends can run under it")
     if args.warmup < 1 or args.iters < 1:
         parser.error("--warmup and --iters must be at least 1 (the first warm-up step compiles)")
+    if args.autocast and DTYPES[args.dtype] != "float32":
+        parser.error("--autocast casts to bf16 inside the step: keep the parameters in --dtype fp32")
     return args, parser
 
 

@@ -14,6 +14,10 @@
 #   maxT-inductor maxT-thunder maxT-memopt
 #                   longest T that fits: stablecode, 32 layers, zero2 (doubling from 16384, then bisection to 1024)
 #   memopt-budgets  optional: thunder+memopt at budgets 1.0, 0.5 and 0.0, stablecode 8 layers, T=16384, zero2
+#   no-schedule     thunder+memopt without the schedule pass, stablecode 8 layers, T=8192, zero2
+#   zero3-autocast  thunder and thunder+memopt, fp32 parameters under bf16 autocast, FSDP2 zero3, T=8192
+#   thunder-fsdp    thunder and thunder+memopt under thunder.distributed.fsdp, ZERO2 and ZERO3, T=8192
+#   single-h200     one GPU, thunder.jit, 4 layers, T=8192: thunder, thunder+memopt, and recompute only
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -65,6 +69,24 @@ case "$GROUP" in
     maxT-thunder) longest_block_size thunder ;;
     maxT-memopt) longest_block_size thunder+memopt ;;
     memopt-budgets) stablecode_8_layers 16384 zero2 --compile thunder+memopt --memopt-budget 1.0 0.5 0.0 ;;
+    no-schedule) stablecode_8_layers 8192 zero2 --compile thunder+memopt --memopt-passes recompute collectives ;;
+    zero3-autocast)
+        bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode zero3 \
+            --dtype fp32 --autocast --compile thunder thunder+memopt --out "$OUT/stablecode_8l_zero3_autocast.jsonl" ;;
+    thunder-fsdp)
+        for mode in zero2 zero3; do
+            bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode "$mode" \
+                --distributed-mode thunder-fsdp --compile thunder thunder+memopt \
+                --out "$OUT/stablecode_8l_thunder_fsdp_$mode.jsonl"
+        done ;;
+    single-h200)
+        for passes in "recompute collectives schedule" recompute; do
+            # shellcheck disable=SC2086  # one argument per pass name
+            CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/benchmark_fsdp2.py --distributed-mode none --nproc-per-node 1 \
+                --resume --time-limit "$TIME_LIMIT_MIN" --model-name stablecode-completion-alpha-3b --n-layer 4 \
+                --block-size 8192 --compile thunder thunder+memopt --memopt-passes $passes \
+                --out "$OUT/stablecode_4l_single_h200.jsonl"
+        done ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

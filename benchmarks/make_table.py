@@ -18,9 +18,11 @@ from pathlib import Path
 
 # The fields that make two runs comparable, apart from block size, backend and budget.
 CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
-                 "shard_mode", "world_size", "gpu")
+                 "shard_mode", "autocast", "world_size", "gpu")
+# Fields added later: rows written before them had these values.
+FIELD_DEFAULTS = {"autocast": False}
 SETTING_NAMES = {"model": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=", "micro_batch_size": "B=",
-                 "dtype": "", "distributed_mode": "", "shard_mode": "", "world_size": "ranks=", "gpu": "",
+                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "world_size": "ranks=", "gpu": "",
                  "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
@@ -42,6 +44,7 @@ def latest(rows: list[dict]) -> list[dict]:
     by_identity: dict[tuple, dict] = {}
     for row in rows:
         identity = (row.get("row_type"), row.get("search"), row["backend"], row.get("budget"), str(row.get("memopt_passes")),
+                    replay_fusion(row),
                     *config_of(row, with_block_size=True))
         by_identity[identity] = row
     return list(by_identity.values())
@@ -54,13 +57,23 @@ def measured_rows(rows: list[dict]) -> list[dict]:
 
 def config_of(row: dict, *, with_block_size: bool = False) -> tuple:
     fields = CONFIG_FIELDS + ("block_size",) if with_block_size else CONFIG_FIELDS
-    return tuple(row.get(field) for field in fields)
+    return tuple(row.get(field, FIELD_DEFAULTS.get(field)) for field in fields)
 
 
 def backend_label(row: dict) -> str:
     label = row["backend"] if row.get("budget") is None else f"{row['backend']} @{row['budget']:g}"
     passes = row.get("memopt_passes")
-    return label if not passes else f"{label} [{'+'.join(passes)}]"
+    if passes:
+        label += f" [{'+'.join(passes)}]"
+    fuse = replay_fusion(row)
+    if fuse not in (None, "auto"):
+        label += " [unfused replays]" if fuse == "off" else f" [fuse_replays={fuse}]"
+    return label
+
+
+def replay_fusion(row: dict) -> str | None:
+    """thunder+memopt's fuse_replays setting; rows from before the option existed ran unfused."""
+    return row.get("fuse_replays", "off") if row["backend"] == "thunder+memopt" else None
 
 
 def number(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -74,7 +87,7 @@ def sharding_of(row: dict) -> str:
 
 def heading(row: dict) -> str:
     return (f"{row['model']}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "
-            f"{row['dtype']}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
+            f"{row['dtype']}{' + bf16 autocast' if row.get('autocast') else ''}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
             f"{row['world_size']} × {row['gpu']}")
 
 
