@@ -47,6 +47,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 # NVLink multicast must stay off on the GPU host (NCCL's NVLS and symmetric memory's multicast). Set
 # before any process group exists; every worker this driver launches inherits them.
@@ -166,6 +167,7 @@ class Training:
     fsdp_root: torch.nn.Module | None  # the fully_shard root under fsdp2
     reshard_after_forward: bool
     autocast_device: str | None = None  # bf16 autocast on this device type around the forward
+    memopt: Any = None  # the MemoryOptimization instance of thunder+memopt (its pass timings)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_device is None:
@@ -235,20 +237,16 @@ def memory_optimization(trial: Trial):
     return MemoryOptimization(**options)
 
 
-def thunder_transforms(trial: Trial) -> list:
-    return [memory_optimization(trial)] if trial.backend == "thunder+memopt" else []
-
-
-def thunder_fsdp(module: torch.nn.Module, trial: Trial, device: torch.device) -> torch.nn.Module:
+def thunder_fsdp(module: torch.nn.Module, trial: Trial, device: torch.device, transforms: list) -> torch.nn.Module:
     """Thunder's FSDP. thunder 0.2.6's ``fsdp`` takes the jitted module and adds its sharding transform."""
     import thunder
     from thunder.distributed import FSDPType, fsdp
 
     strategy = FSDPType.ZERO3 if trial.shard_mode == "zero3" else FSDPType.ZERO2
-    return fsdp(thunder.jit(module, transforms=thunder_transforms(trial)), device=device, sharding_strategy=strategy)
+    return fsdp(thunder.jit(module, transforms=transforms), device=device, sharding_strategy=strategy)
 
 
-def compile_for_backend(module: torch.nn.Module, trial: Trial) -> Callable:
+def compile_for_backend(module: torch.nn.Module, trial: Trial, memopt) -> Callable:
     """``module`` compiled by ``trial.backend`` (under FSDP2 or on one device)."""
     if trial.backend in ("eager", "eager-ac"):
         return module
@@ -264,10 +262,10 @@ def compile_for_backend(module: torch.nn.Module, trial: Trial) -> Callable:
             return torch.compile(module, backend=ThunderCompiler())
         from thunder_memopt import thunderfx_backend
 
-        return torch.compile(module, backend=thunderfx_backend(memory_optimization(trial)))
+        return torch.compile(module, backend=thunderfx_backend(memopt))
     import thunder
 
-    return thunder.jit(module, transforms=thunder_transforms(trial))
+    return thunder.jit(module, transforms=[memopt] if memopt is not None else [])
 
 
 def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -> Training:
@@ -278,12 +276,14 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
         shard_with_fsdp2(gpt, trial)
     module = GPTWithLoss(gpt)
     autocast_device = device.type if trial.autocast else None
+    memopt = memory_optimization(trial) if trial.backend == "thunder+memopt" else None
     if trial.distributed_mode == "thunder-fsdp":
-        sharded = thunder_fsdp(module, trial, device)
-        return Training(sharded, sharded, fsdp_root=None, reshard_after_forward=zero3, autocast_device=autocast_device)
+        sharded = thunder_fsdp(module, trial, device, [memopt] if memopt is not None else [])
+        return Training(sharded, sharded, fsdp_root=None, reshard_after_forward=zero3, autocast_device=autocast_device,
+                        memopt=memopt)
     fsdp_root = gpt if trial.distributed_mode == "fsdp2" else None
-    return Training(compile_for_backend(module, trial), module, fsdp_root=fsdp_root, reshard_after_forward=zero3,
-                    autocast_device=autocast_device)
+    return Training(compile_for_backend(module, trial, memopt), module, fsdp_root=fsdp_root,
+                    reshard_after_forward=zero3, autocast_device=autocast_device, memopt=memopt)
 
 
 def synchronize(device: torch.device) -> None:
@@ -509,6 +509,7 @@ def worker_main(trial_file: Path) -> int:
         result = {"status": "ok", **session.run_steps()}
     if trial.backend == "thunder+memopt":
         result["memopt_warnings"] = memopt_warnings
+        result["memopt_pass_s"] = session.training.memopt.pass_seconds
     if rank == 0:
         write_json(out_dir / "result.json", result)  # kept if the measurement below fails
     if not trial.search:

@@ -153,6 +153,9 @@ def describe_row(row: dict) -> str:
               f"{row['peak_reserved_max'] / GIB:.2f} GiB reserved (max over ranks)")
     parts = [f"ok: {memory}", f"{row['step_ms']:.0f} ms/step", f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU",
              f"loss {row['loss']:.4f}", f"first step {row['first_step_s']:.1f} s"]
+    if row.get("memopt_pass_s"):
+        passes = ", ".join(f"{name} {seconds:.2f}" for name, seconds in row["memopt_pass_s"].items())
+        parts.append(f"thunder_memopt passes {sum(row['memopt_pass_s'].values()):.2f} s ({passes})")
     if row.get("saved_bytes_per_layer") is not None:
         parts.append(f"saved {saved_mib(row)} MiB/layer ({row['saved_h_bytes']:.1f} h-bytes)")
     if row.get("saved_error"):

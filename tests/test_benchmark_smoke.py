@@ -55,6 +55,9 @@ def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
         assert all(row[field] is None for field in benchmark_fsdp2.MEMORY_FIELDS)
         assert row["profile"]["top_cpu_ms"] and row["profile"]["gpu_busy_fraction"] is None
     assert rows[-1]["budget"] == 1.0
+    # The passes' compile-time cost is reported; on CPU nothing is fused by default.
+    assert set(rows[-1]["memopt_pass_s"]) == {"recompute", "collectives", "schedule"}
+    assert all(seconds >= 0 for seconds in rows[-1]["memopt_pass_s"].values())
 
 
 def check_backends_agree_on_the_loss(rows: list[dict], printed: str) -> None:

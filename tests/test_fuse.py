@@ -23,6 +23,7 @@ def test_default_fuses_nothing_on_cpu():
     step = train_step(STABLECODE, [mo], n_layer=1, seq_len=64)
     assert mo.fuse_results == []
     assert _fusion_bsyms(step.backward_trace) == []
+    assert "fuse" not in mo.pass_seconds and mo.pass_seconds["recompute"] > 0
 
 
 def test_fused_replays_on_cpu():

@@ -21,8 +21,10 @@ subgraphs, and this keeps their forward/backward pairs apart.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx, TraceTag
@@ -94,6 +96,8 @@ class MemoryOptimization(Transform):
         self._pending: _Pending | None = None
         self._collectives = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
         self.schedule_results: list[schedule.ScheduleResult] = []
+        # Seconds spent in each pass over every trace this instance has seen (compile-time cost).
+        self.pass_seconds: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
@@ -114,9 +118,10 @@ class MemoryOptimization(Transform):
         recomputed, plans = trace, None
         if "recompute" in self.passes:
             try:
-                steps = 0 if self.activation_budget == 1.0 else _LADDER_STEPS
-                plans = recompute.plan_ladder(trace, steps=steps)
-                recomputed = recompute.apply_to_forward(trace, plans[0])
+                with self._timed("recompute"):
+                    steps = 0 if self.activation_budget == 1.0 else _LADDER_STEPS
+                    plans = recompute.plan_ladder(trace, steps=steps)
+                    recomputed = recompute.apply_to_forward(trace, plans[0])
             except Exception as e:  # the pass must never break a user's training
                 warnings.warn(f"thunder_memopt: recompute left this trace unchanged ({type(e).__name__}: {e})")
                 plans = None
@@ -132,9 +137,13 @@ class MemoryOptimization(Transform):
         # The forward was already changed; failing here would leave the pair inconsistent, so any
         # mismatch is an error rather than a silent fallback.
         if len(pending.plans) == 1:
-            backward = recompute.apply_to_backward(trace, pending.plans[0])
+            with self._timed("recompute"):
+                backward = recompute.apply_to_backward(trace, pending.plans[0])
             return self._after_recompute_backward(self._fuse(backward, pending.plans[0]))
-        k, forward, backward = recompute.choose_by_budget(pending.plans, pending.original, trace, self.activation_budget)
+        with self._timed("recompute"):
+            k, forward, backward = recompute.choose_by_budget(
+                pending.plans, pending.original, trace, self.activation_budget
+            )
         if k:
             # Thunder compiles the forward trace only after this hook returns (it calls every
             # transform on the forward, then the backward, then builds both callables), so the
@@ -153,7 +162,8 @@ class MemoryOptimization(Transform):
             wanted = fuse.can_fuse_on(backward, replayed)
         if not wanted or not replayed:
             return backward
-        result = fuse.fuse_replays(backward, replayed)
+        with self._timed("fuse"):  # inductor compiles each function later, at its first call
+            result = fuse.fuse_replays(backward, replayed)
         self.fuse_results.append(result)
         return result.trace
 
@@ -167,7 +177,8 @@ class MemoryOptimization(Transform):
         if "schedule" not in self.passes:
             return trace
         try:  # reordering keeps a trace's inputs and outputs, so either trace of a pair may fall back
-            result = schedule.schedule_trace(trace)
+            with self._timed("schedule"):
+                result = schedule.schedule_trace(trace)
         except Exception as e:  # the pass must never break a user's training
             warnings.warn(f"thunder_memopt: schedule left this trace unchanged ({type(e).__name__}: {e})")
             return trace
@@ -178,10 +189,22 @@ class MemoryOptimization(Transform):
         if "collectives" not in self.passes:
             return trace
         try:
-            return self._collectives.forward(trace)
+            with self._timed("collectives"):
+                return self._collectives.forward(trace)
         except Exception as e:  # the pass must never break a user's training
             warnings.warn(f"thunder_memopt: collectives left this trace unchanged ({type(e).__name__}: {e})")
             return trace
 
     def _collectives_backward(self, trace: TraceCtx) -> TraceCtx:
-        return self._collectives.backward(trace) if "collectives" in self.passes else trace
+        if "collectives" not in self.passes:
+            return trace
+        with self._timed("collectives"):
+            return self._collectives.backward(trace)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.pass_seconds[name] = self.pass_seconds.get(name, 0.0) + time.perf_counter() - start
