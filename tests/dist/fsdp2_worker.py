@@ -3,7 +3,9 @@ and against plain ThunderCompiler (the same run without MemoryOptimization).
 
 Runs zero2 and zero3 (``reshard_after_forward`` False/True) with dynamo skipping FSDP hooks, zero3
 with ``skip_fsdp_hooks=False``, where functional collectives reach the backend, and zero3 under
-``torch.autocast(bf16)`` over fp32 parameters, where the trace casts weights. Writes, from rank 0,
+``torch.autocast(bf16)`` over fp32 parameters, where the trace casts weights. Then a module that
+calls a functional all-reduce in its forward, so that ``wait_tensor`` reaches the backend for
+certain (FSDP2 in torch 2.11 does not put its collectives in the dynamo graph on gloo). Writes, from rank 0,
 losses, the largest sharded-gradient differences, the number of collective nodes the backend kept
 out of Thunder and the parameter-derived tensors each variant saves for backward to argv[1].
 """
@@ -18,6 +20,7 @@ import thunder
 import torch
 import torch._dynamo
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
 
 import thunder_memopt.backend as backend_module
@@ -71,6 +74,31 @@ def saved_parameter_copies(compiler) -> int:
     return count
 
 
+class AllReduceInForward(torch.nn.Module):
+    """A matmul, a functional all-reduce (a ``wait_tensor`` follows it in the graph), a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = funcol.all_reduce(torch.tanh(x @ self.w), "sum", dist.group.WORLD)
+        return (h * h).sum()
+
+
+def functional_collective_step(backend: str) -> tuple[float, list[float]]:
+    """Loss and weight gradient of AllReduceInForward under "eager" or "memopt"."""
+    torch._dynamo.reset()
+    model = AllReduceInForward()
+    if backend == "memopt":
+        model = torch.compile(model, backend=backend_module.thunderfx_backend())
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    loss = model(x)
+    loss.backward()
+    weight = model._orig_mod.w if backend == "memopt" else model.w
+    return loss.item(), weight.grad.flatten().tolist()
+
+
 def count_hidden_collectives() -> list[int]:
     """Wrap the guard so the run records how many collective nodes each dynamo graph had."""
     counts: list[int] = []
@@ -108,6 +136,12 @@ def main(path: str) -> None:
             "saved_parameter_copies_plain": saved_parameter_copies(plain),
             "saved_parameter_copies": saved_parameter_copies(memopt),
         }
+    torch._dynamo.config.skip_fsdp_hooks = True
+    counts = count_hidden_collectives()
+    results["functional_all_reduce"] = {
+        backend: functional_collective_step(backend) for backend in ("eager", "memopt")
+    }
+    results["functional_all_reduce"]["collectives_kept_out"] = sum(counts)
     finish(path, results)
 
 
