@@ -56,7 +56,6 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402  (after the NCCL environment above)
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import make_table  # noqa: E402  (benchmarks/ is sys.path[0] when this file runs as a script)
 
@@ -144,18 +143,6 @@ def torch_dtype(name: str) -> torch.dtype:
 # ----------------------------------------------------------------------------------------------
 # Worker: one trial, on every rank of a fresh torchrun.
 # ----------------------------------------------------------------------------------------------
-
-
-class GPTWithLoss(torch.nn.Module):
-    """The GPT and its next-token loss as one module, so every compiler sees, and can optimize, the loss."""
-
-    def __init__(self, gpt: torch.nn.Module) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.gpt(input_ids)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 @dataclasses.dataclass
@@ -274,6 +261,8 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
         checkpoint_every_block(gpt)  # before fully_shard, so FSDP2 wraps the checkpointed blocks
     if trial.distributed_mode == "fsdp2":
         shard_with_fsdp2(gpt, trial)
+    from thunder_memopt.models import GPTWithLoss
+
     module = GPTWithLoss(gpt)
     autocast_device = device.type if trial.autocast else None
     memopt = memory_optimization(trial) if trial.backend == "thunder+memopt" else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["narrow_config", "build_model", "random_batch"]
+__all__ = ["narrow_config", "build_model", "random_batch", "GPTWithLoss"]
 
 
 def narrow_config(
@@ -70,3 +70,23 @@ def random_batch(config, *, batch_size: int, seq_len: int, device="cpu", seed: i
     tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=g)
     tokens = tokens.to(device)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class GPTWithLoss(torch.nn.Module):
+    """A GPT and its next-token cross-entropy as one module, so that a compiler sees, and can
+    optimize, the whole step.
+
+    ``upcast_logits`` computes the loss on fp32 logits (the report); without it the loss takes the
+    logits in the model's dtype, as litgpt trains (the benchmark).
+    """
+
+    def __init__(self, gpt: torch.nn.Module, *, upcast_logits: bool = False) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.upcast_logits = upcast_logits
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(input_ids)
+        if self.upcast_logits:
+            logits = logits.float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

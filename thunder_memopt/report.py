@@ -19,7 +19,7 @@ import torch
 
 from thunder_memopt.measure import measure_saved
 from thunder_memopt.memory import SavedInventory, estimate_step, saved_for_backward
-from thunder_memopt.models import build_model, narrow_config, random_batch
+from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = ["Column", "measure_column", "main"]
@@ -44,18 +44,6 @@ class Column:
     schedule: tuple  # thunder_memopt.schedule.ScheduleResult of the forward and backward, if it ran
 
 
-class WithLoss(torch.nn.Module):
-    """The model and its cross-entropy loss as one module, so that the traces hold the whole step."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-
 def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int]) -> Column:
     """Saved bytes at both layer counts, inventory and peaks at the larger."""
     device = torch.device(args.device)
@@ -66,7 +54,7 @@ def measure_column(name: str, args: argparse.Namespace, transforms_factory, laye
         model = build_model(cfg, dtype=dtype, device=device)
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device)
         transforms = transforms_factory()
-        jitted = thunder.jit(WithLoss(model), transforms=transforms)
+        jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), transforms=transforms)
         start = time.perf_counter()
         measured = measure_saved(jitted, x, y, parameters=[*model.parameters(), *model.buffers()])
         seconds = time.perf_counter() - start
@@ -112,7 +100,8 @@ def _train_a_few_steps(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd, block_size=args.block_size)
     model = build_model(cfg, dtype=_DTYPES[args.dtype], device=device)
-    jitted = thunder.jit(WithLoss(model), transforms=[MemoryOptimization(activation_budget=args.budget)])
+    transforms = [MemoryOptimization(activation_budget=args.budget)]
+    jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), transforms=transforms)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.train_steps):
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device, seed=step)
