@@ -24,15 +24,23 @@ class Step:
 
 
 def train_step(
-    model_name: str, transforms=(), *, n_layer: int = 2, seq_len: int = SEQ_LEN, device: str = "cpu", **config
+    model_name: str,
+    transforms=(),
+    *,
+    n_layer: int = 2,
+    seq_len: int = SEQ_LEN,
+    device: str = "cpu",
+    executors=None,
+    **config,
 ) -> Step:
-    """Forward, loss and backward of ``thunder.jit(model, transforms=...)`` in bf16 on ``device``."""
+    """Forward, loss and backward of ``thunder.jit(model, transforms=..., executors=...)`` in bf16 on
+    ``device``; ``config`` overrides fields of the narrowed litgpt config."""
     cfg = narrow_config(model_name, n_layer=n_layer, n_embd=N_EMBD, block_size=seq_len)
     for k, v in config.items():
         setattr(cfg, k, v)
     model = build_model(cfg, device=device)
     x, y = random_batch(cfg, batch_size=1, seq_len=seq_len, device=device)
-    jitted = thunder.jit(model, transforms=list(transforms))
+    jitted = thunder.jit(model, transforms=list(transforms), executors=executors)
     measured = measure_saved(jitted, x, parameters=[*model.parameters(), *model.buffers()])
     loss = torch.nn.functional.cross_entropy(measured.output.flatten(0, 1).float(), y.flatten())
     loss.backward()

@@ -116,6 +116,22 @@ def test_unknown_and_random_ops_are_saved_never_replayed():
     assert not replayed & {"cumsum", "uniform", "uniform_philox", "bernoulli", "dropout"}
 
 
+def test_with_torch_compile_ex_the_step_is_unchanged_and_saves_no_more():
+    """torch_compile_ex puts the forward into opaque inductor regions that hold matmuls, so there is
+    nothing cheap to replay. The pass must run without warnings and keep numerics and saved bytes."""
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    executors = [torch_compile_ex, *thunder.get_default_executors()]
+    plain = train_step("stablecode-completion-alpha-3b", executors=executors, seq_len=128)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = train_step("stablecode-completion-alpha-3b", [MemoryOptimization()], executors=executors, seq_len=128)
+    assert not [w for w in caught if "thunder_memopt" in str(w.message)]
+    assert any(b.sym.name.startswith("TorchCompile") for b in step.forward_trace.bound_symbols)
+    assert_same_numerics(plain, step)
+    assert step.saved_bytes <= plain.saved_bytes
+
+
 def test_a_trace_the_pass_cannot_handle_is_left_unchanged_with_one_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise NotImplementedError("synthetic failure")
