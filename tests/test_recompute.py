@@ -81,6 +81,7 @@ def test_the_ladder_ends_at_per_block_checkpointing():
         ({"activation_budget": "high"}, TypeError),
         ({"passes": ("recompute", "fuse_everything")}, ValueError),
         ({"passes": "recompute"}, TypeError),
+        ({"fuse_replays": "yes"}, TypeError),
     ],
 )
 def test_bad_options_raise_at_construction(kwargs, error):
