@@ -83,11 +83,13 @@ def _moves_data(bsym: BoundSymbol) -> bool:
 
 
 def can_fuse_on(trace: TraceCtx, replayed: set[str]) -> bool:
-    """Whether the replayed tensors live on a device where inductor generates kernels (CUDA)."""
+    """Whether the replayed tensors live on CUDA, where inductor generates Triton kernels."""
+    from torch.utils._triton import has_triton
+
     for bsym in trace.bound_symbols:
         for o in tensor_outs(bsym):
             if o.name in replayed:
-                return o.device.type == "cuda" and torch.cuda.is_available()
+                return o.device.type == "cuda" and torch.cuda.is_available() and has_triton()
     return False
 
 
