@@ -75,3 +75,18 @@ def test_replays_on_cuda(model_name, deterministic):
     torch.testing.assert_close(fused.loss, plain.loss)
     for name, grad in plain.grads.items():
         torch.testing.assert_close(fused.grads[name], grad, rtol=2e-2, atol=1e-4, msg=name)
+
+
+def test_a_failing_fuse_leaves_the_replays_unfused_with_one_warning(monkeypatch):
+    import thunder_memopt.fuse as fuse_module
+
+    def broken(trace, replayed):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(fuse_module, "fuse_replays", broken)
+    unfused = train_step(STABLECODE, [MemoryOptimization(fuse_replays=False)], n_layer=1, seq_len=64)
+    with pytest.warns(UserWarning, match="thunder_memopt: fuse left the replays unfused") as caught:
+        step = train_step(STABLECODE, [MemoryOptimization(fuse_replays=True)], n_layer=1, seq_len=64)
+    assert sum("thunder_memopt" in str(w.message) for w in caught) == 1
+    assert _fusion_bsyms(step.backward_trace) == []
+    assert_same_numerics(unfused, step)

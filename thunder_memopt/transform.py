@@ -5,7 +5,7 @@ function, after its own optimization and ``del_last_used``. The passes run there
 
 1. ``recompute``: choose, by a min-cut over real tensor bytes, what the forward saves for backward,
    and recompute the rest in the backward (thunder_memopt.recompute). On CUDA the replayed
-   elementwise stretches then run as compiled kernels with eager rounding (thunder_memopt.fuse).
+   elementwise stretches then run as compiled kernels (thunder_memopt.fuse).
 2. ``collectives``: for thunder fsdp, just-in-time all-gathers, ZeRO-3 re-gathers in backward and
    early reduce-scatters (thunder_memopt.collectives).
 3. ``schedule``: reorder each trace (inference traces too) to lower its peak of live bytes
@@ -100,7 +100,10 @@ class MemoryOptimization(Transform):
         self.pass_seconds: dict[str, float] = {}
 
     def __repr__(self) -> str:
-        return f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
+        return (
+            f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
+            f"fuse_replays={self.fuse_replays})"
+        )
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.BACKWARD not in computation_trace.tags:
@@ -162,8 +165,12 @@ class MemoryOptimization(Transform):
             wanted = fuse.can_fuse_on(backward, replayed)
         if not wanted or not replayed:
             return backward
-        with self._timed("fuse"):  # inductor compiles each function later, at its first call
-            result = fuse.fuse_replays(backward, replayed)
+        try:
+            with self._timed("fuse"):  # inductor compiles each function later, at its first call
+                result = fuse.fuse_replays(backward, replayed)
+        except Exception as e:  # the pass must never break a user's training
+            warnings.warn(f"thunder_memopt: fuse left the replays unfused ({type(e).__name__}: {e})")
+            return backward
         self.fuse_results.append(result)
         return result.trace
 
