@@ -45,7 +45,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,18 @@ def peak_memory(device: torch.device) -> dict:
     return dict(zip(MEMORY_FIELDS, [*local, *peaks.tolist()]))
 
 
+def reservable_bytes(device: torch.device) -> int | None:
+    """The most PyTorch's allocator could hold on any rank: free device memory plus what it holds,
+    so the CUDA context and NCCL's buffers are left out. The minimum over ranks."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    reservable = torch.tensor([free + torch.cuda.memory_reserved(device)], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(reservable, op=dist.ReduceOp.MIN)
+    return int(reservable.item())
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by possibly overlapping intervals (kernels on several streams)."""
     covered, reach = 0.0, float("-inf")
@@ -397,6 +409,7 @@ class TrainingSession:
         median_s = statistics.median(step_seconds)
         result = {
             **peak_memory(device),
+            "reservable_bytes": reservable_bytes(device),
             "step_ms": median_s * 1e3,
             "step_ms_all": [s * 1e3 for s in step_seconds],
             "tokens_per_s_per_gpu": trial.micro_batch_size * trial.block_size / median_s,
@@ -727,13 +740,17 @@ class SearchAborted(Exception):
         self.block_size = block_size
 
 
-def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: int,
-                        limit: int) -> tuple[int | None, int | None]:
+def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: int, limit: int, *,
+                        peaks: Mapping[int, int] | None = None,
+                        capacity: int | None = None) -> tuple[int | None, int | None]:
     """The largest multiple of ``granularity`` that fits, and the smallest probed one that does not.
 
-    Doubles from ``start`` while it fits (up to ``limit``), halves while it does not, then bisects
-    between the two to ``granularity``; each probe is one call of ``fits``. ``start`` must be a
-    multiple of ``granularity``.
+    Doubles from ``start`` while it fits (up to ``limit``), halves while it does not, then narrows
+    the gap between the two to ``granularity``; each probe is one call of ``fits``. ``start`` must
+    be a multiple of ``granularity``. Given ``capacity`` (bytes the allocator could hold) and
+    ``peaks`` (filled by ``fits``: each fitting block size's peak reserved bytes), the next probe is where the line through the
+    two largest fitting probes reaches capacity, since peak memory grows about linearly with T;
+    once such a guess fails, or without peaks, it bisects.
     """
     fitting, failing = None, None
     size = start
@@ -748,13 +765,33 @@ def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: in
             if fitting is not None or size == granularity:
                 break
             size = max(granularity, size // 2 // granularity * granularity)
+    interpolate = True
     while fitting is not None and failing is not None and failing - fitting > granularity:
         middle = fitting + (failing - fitting) // 2 // granularity * granularity
-        if fits(middle):
-            fitting = middle
+        guess = _where_peak_reaches(capacity, peaks, fitting, failing, granularity) if interpolate else None
+        probe = middle if guess is None else guess
+        if fits(probe):
+            fitting = probe
         else:
-            failing = middle
+            failing = probe
+            # The device ran out before the line said (fragmentation, compile-time buffers): the
+            # line is optimistic, so bisect from here on.
+            interpolate = interpolate and guess is None
     return fitting, failing
+
+
+def _where_peak_reaches(capacity: int | None, peaks: Mapping[int, int] | None, fitting: int, failing: int,
+                        granularity: int) -> int | None:
+    """The block size, strictly between ``fitting`` and ``failing``, where the line through the two
+    largest fitting probes' peaks reaches ``capacity``; None without two such probes."""
+    known = sorted((t, p) for t, p in (peaks or {}).items() if p is not None and t <= fitting)
+    if capacity is None or len(known) < 2:
+        return None
+    (t0, p0), (t1, p1) = known[-2:]
+    if p1 <= p0:
+        return None
+    guess = int(t1 + (capacity - p1) * (t1 - t0) / (p1 - p0)) // granularity * granularity
+    return min(max(guess, fitting + granularity), failing - granularity)
 
 
 def search(driver: Driver, args: argparse.Namespace, template: Trial) -> None:
@@ -763,17 +800,24 @@ def search(driver: Driver, args: argparse.Namespace, template: Trial) -> None:
         for budget in budgets_for(backend, args):
             probe = dataclasses.replace(template, backend=backend, budget=budget, search=True, profile=False)
             statuses: dict[int, str] = {}
+            peaks: dict[int, int] = {}
+            capacity: list[int] = []  # what the allocator could hold, once a probe has reported it
 
             def fits(block_size: int) -> bool:
-                status = driver.run(dataclasses.replace(probe, block_size=block_size))["status"]
-                statuses[block_size] = status
+                row = driver.run(dataclasses.replace(probe, block_size=block_size))
+                status = statuses[block_size] = row["status"]
+                if status == "ok" and row.get("peak_reserved_max") is not None:
+                    peaks[block_size] = row["peak_reserved_max"]
+                if row.get("reservable_bytes") and not capacity:
+                    capacity.append(row["reservable_bytes"])
                 if status not in FINAL_STATUSES:
                     raise SearchAborted(block_size)
                 return status == "ok"
 
             try:
-                largest, smallest_failing = find_max_block_size(fits, args.block_size[0], args.search_granularity,
-                                                                args.search_limit)
+                largest, smallest_failing = find_max_block_size(
+                    fits, args.block_size[0], args.search_granularity, args.search_limit, peaks=peaks,
+                    capacity=capacity[0] if capacity else None)
             except SearchAborted as aborted:
                 fitting = [size for size, status in statuses.items() if status == "ok"]
                 largest, smallest_failing = max(fitting, default=None), aborted.block_size

@@ -114,6 +114,38 @@ def test_search_doubles_then_bisects(largest_fitting, start, expected):
     assert len(probed) <= 12
 
 
+@pytest.mark.parametrize("fragmentation", [0, 3 * 2**30])
+def test_search_interpolates_the_peak_when_it_is_known(fragmentation):
+    """Peak memory linear in T: the line through two fitting probes points at the answer, and the
+    search needs fewer probes than bisection. If the device runs out earlier than the line says
+    (fragmentation), the failed guess costs one probe more than bisection, and the answer is exact."""
+    capacity, base, per_token = 140 * 2**30, 20 * 2**30, 2**30 // 1024  # 1 GiB per 1024 tokens
+    largest = (capacity - fragmentation - base) // per_token // 1024 * 1024
+
+    def search(with_peaks: bool) -> tuple[tuple, list[int]]:
+        peaks: dict[int, int] = {}
+        probed: list[int] = []
+
+        def fits(block_size: int) -> bool:
+            probed.append(block_size)
+            peak = base + per_token * block_size
+            if peak + fragmentation > capacity:
+                return False
+            peaks[block_size] = peak
+            return True
+
+        known = {"peaks": peaks, "capacity": capacity} if with_peaks else {}
+        return benchmark_fsdp2.find_max_block_size(fits, 16384, granularity=1024, limit=1 << 20, **known), probed
+
+    (interpolated, probes), (bisected, bisection_probes) = search(True), search(False)
+    assert interpolated == bisected == (largest, largest + 1024)
+    assert len(set(probes)) == len(probes)
+    if fragmentation:
+        assert len(probes) <= len(bisection_probes) + 1, (probes, bisection_probes)
+    else:
+        assert len(probes) < len(bisection_probes), (probes, bisection_probes)
+
+
 def test_outcome_is_oom_when_any_rank_ran_out_of_memory(tmp_path):
     log = tmp_path / "log"
     log.write_text("worker output\n")
