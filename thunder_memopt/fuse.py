@@ -36,7 +36,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.core.trace import TraceCtx, tracectx
 
-from thunder_memopt.memory import replace_bound_symbols, strip_deletions, tensor_args, tensor_outs
+from thunder_memopt.memory import replace_bound_symbols, strip_deletions, symbols, tensor_args, tensor_outs
 from thunder_memopt.recompute import leaf_names
 
 __all__ = ["EAGER_NUMERICS", "FuseResult", "fusible", "fuse_replays", "can_fuse_on"]
@@ -65,17 +65,11 @@ _VIEW_LEAVES = {
 
 def fusible(bsym: BoundSymbol) -> bool:
     """Whether ``bsym`` is an elementwise op, cast or view that inductor may fuse (no reductions)."""
-    if any(getattr(s, "is_fusion", False) for s in _syms(bsym)):
+    if any(getattr(s, "is_fusion", False) for s in symbols(bsym)):
         return False
     if not all(isinstance(a, TensorProxy) for a in bsym.flat_proxy_args):
         return False
     return all(n in _FUSIBLE_LEAVES for n in leaf_names(bsym))
-
-
-def _syms(bsym: BoundSymbol):
-    yield bsym.sym
-    for sub in bsym.subsymbols:
-        yield from _syms(sub)
 
 
 def _moves_data(bsym: BoundSymbol) -> bool:

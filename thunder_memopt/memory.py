@@ -21,13 +21,13 @@ from __future__ import annotations
 import math
 
 from collections import ChainMap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from thunder.core import prims
 from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.pytree import tree_flatten
-from thunder.core.symbol import BoundSymbol
+from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.core.trace import TraceCtx, TraceTag
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "SavedInventory",
     "StepEstimate",
     "op_names",
+    "symbols",
     "tensor_nbytes",
     "storage_roots",
     "estimate_memory",
@@ -76,12 +77,16 @@ _VIEW_PRIMS = {
 Strides = tuple[int, ...]
 
 
+def symbols(bsym: BoundSymbol) -> Iterator[Symbol]:
+    """The symbol of a bound symbol and those of its whole decomposition, outermost first."""
+    yield bsym.sym
+    for sub in bsym.subsymbols:
+        yield from symbols(sub)
+
+
 def op_names(bsym: BoundSymbol) -> tuple[str, ...]:
     """The names of a bound symbol and of its decomposition, outermost first."""
-    names = [bsym.sym.name]
-    for sub in bsym.subsymbols:
-        names.extend(op_names(sub))
-    return tuple(names)
+    return tuple(sym.name for sym in symbols(bsym))
 
 
 def is_bookkeeping(bsym: BoundSymbol) -> bool:

@@ -51,6 +51,7 @@ from thunder_memopt.memory import (
     replace_bound_symbols,
     storage_roots,
     strip_deletions,
+    symbols,
     tensor_args,
     tensor_outs,
 )
@@ -102,25 +103,18 @@ _CANDIDATES = 24
 _PRICING_BUDGET = 2_000_000
 
 
-def _syms(bsym: BoundSymbol):
-    """The symbol of a bound symbol and those of its whole decomposition."""
-    yield bsym.sym
-    for sub in bsym.subsymbols:
-        yield from _syms(sub)
-
-
 def _base_name(sym) -> str:
     return sym.name.removeprefix("torch_").removesuffix("_prim_impl")
 
 
 def is_collective(bsym: BoundSymbol) -> bool:
     """Collectives, their futures and fsdp's bucketing, at any level of a bound symbol."""
-    return any(_base_name(sym) in _COLLECTIVE_NAMES for sym in _syms(bsym))
+    return any(_base_name(sym) in _COLLECTIVE_NAMES for sym in symbols(bsym))
 
 
 def has_side_effects(bsym: BoundSymbol) -> bool:
     """Random, RNG-state, collective, in-place, sync or printing ops, at any level of a bound symbol."""
-    for sym in _syms(bsym):
+    for sym in symbols(bsym):
         name = _base_name(sym)
         if name in _RANDOM_NAMES or name in _COLLECTIVE_NAMES or name in _HOST_NAMES:
             return True
@@ -134,7 +128,7 @@ def has_side_effects(bsym: BoundSymbol) -> bool:
 
 def _writes_every_arg(bsym: BoundSymbol) -> bool:
     """In-place ops whose written argument is not known precisely: all their arguments count as written."""
-    for sym in _syms(bsym):
+    for sym in symbols(bsym):
         if sym.name in _WRITE_TARGET or sym.name == _UPDATE_ALIASES:
             return True
         if sym.tags and prims.OpTags.IN_PLACE in sym.tags:
