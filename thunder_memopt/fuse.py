@@ -76,15 +76,11 @@ def _moves_data(bsym: BoundSymbol) -> bool:
     return any(n not in _VIEW_LEAVES for n in leaf_names(bsym))
 
 
-def can_fuse_on(trace: TraceCtx, replayed: set[str]) -> bool:
+def can_fuse_on(replayed: Sequence[TensorProxy]) -> bool:
     """Whether the replayed tensors live on CUDA, where inductor generates Triton kernels."""
     from torch.utils._triton import has_triton
 
-    for bsym in trace.bound_symbols:
-        for o in tensor_outs(bsym):
-            if o.name in replayed:
-                return o.device.type == "cuda" and torch.cuda.is_available() and has_triton()
-    return False
+    return bool(replayed) and replayed[0].device.type == "cuda" and torch.cuda.is_available() and has_triton()
 
 
 @dataclass

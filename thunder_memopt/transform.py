@@ -24,15 +24,19 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
 from thunder_memopt import collectives, fuse, recompute, schedule
+from thunder_memopt.memory import tensor_outs
 
 __all__ = ["MemoryOptimization", "PASSES"]
+
+_T = TypeVar("_T")
 
 # Rungs between the default plan and the most recompute, for budgets below 1.0.
 _LADDER_STEPS = 8
@@ -120,14 +124,14 @@ class MemoryOptimization(Transform):
         self._pending = None
         recomputed, plans = trace, None
         if "recompute" in self.passes:
-            try:
-                with self._timed("recompute"):
-                    steps = 0 if self.activation_budget == 1.0 else _LADDER_STEPS
-                    plans = recompute.plan_ladder(trace, steps=steps)
-                    recomputed = recompute.apply_to_forward(trace, plans[0])
-            except Exception as e:  # the pass must never break a user's training
-                warnings.warn(f"thunder_memopt: recompute left this trace unchanged ({type(e).__name__}: {e})")
-                plans = None
+
+            def plan_and_apply() -> tuple[list[recompute.RecomputePlan], TraceCtx]:
+                ladder = recompute.plan_ladder(trace, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS)
+                return ladder, recompute.apply_to_forward(trace, ladder[0])
+
+            planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
+            if planned is not None:
+                plans, recomputed = planned
         out = self._after_recompute_forward(recomputed)
         if plans is not None:
             self._pending = _Pending(original=trace, plans=plans, returned=out)
@@ -162,14 +166,12 @@ class MemoryOptimization(Transform):
         replayed = {o.name for b in plan.recompute for o in b.flat_proxy_outs if hasattr(o, "name")}
         wanted = self.fuse_replays
         if wanted is None:
-            wanted = fuse.can_fuse_on(backward, replayed)
+            wanted = fuse.can_fuse_on([o for b in plan.recompute for o in tensor_outs(b)])
         if not wanted or not replayed:
             return backward
-        try:
-            with self._timed("fuse"):  # inductor compiles each function later, at its first call
-                result = fuse.fuse_replays(backward, replayed)
-        except Exception as e:  # the pass must never break a user's training
-            warnings.warn(f"thunder_memopt: fuse left the replays unfused ({type(e).__name__}: {e})")
+        # inductor compiles each function later, at its first call
+        result = self._guarded("fuse", "the replays unfused", lambda: fuse.fuse_replays(backward, replayed))
+        if result is None:
             return backward
         self.fuse_results.append(result)
         return result.trace
@@ -183,11 +185,9 @@ class MemoryOptimization(Transform):
     def _schedule(self, trace: TraceCtx) -> TraceCtx:
         if "schedule" not in self.passes:
             return trace
-        try:  # reordering keeps a trace's inputs and outputs, so either trace of a pair may fall back
-            with self._timed("schedule"):
-                result = schedule.schedule_trace(trace)
-        except Exception as e:  # the pass must never break a user's training
-            warnings.warn(f"thunder_memopt: schedule left this trace unchanged ({type(e).__name__}: {e})")
+        # Reordering keeps a trace's inputs and outputs, so either trace of a pair may fall back.
+        result = self._guarded("schedule", "this trace unchanged", lambda: schedule.schedule_trace(trace))
+        if result is None:
             return trace
         self.schedule_results.append(result)
         return result.trace
@@ -195,18 +195,24 @@ class MemoryOptimization(Transform):
     def _collectives_forward(self, trace: TraceCtx) -> TraceCtx:
         if "collectives" not in self.passes:
             return trace
-        try:
-            with self._timed("collectives"):
-                return self._collectives.forward(trace)
-        except Exception as e:  # the pass must never break a user's training
-            warnings.warn(f"thunder_memopt: collectives left this trace unchanged ({type(e).__name__}: {e})")
-            return trace
+        gathered = self._guarded("collectives", "this trace unchanged", lambda: self._collectives.forward(trace))
+        return trace if gathered is None else gathered
 
     def _collectives_backward(self, trace: TraceCtx) -> TraceCtx:
         if "collectives" not in self.passes:
             return trace
         with self._timed("collectives"):
             return self._collectives.backward(trace)
+
+    def _guarded(self, name: str, kept: str, run: Callable[[], _T]) -> _T | None:
+        """``run()``, timed as pass ``name``; None and one warning if it raises, so that a pass never
+        breaks a user's training and the caller keeps what it had (``kept`` says what, in the warning)."""
+        try:
+            with self._timed(name):
+                return run()
+        except Exception as e:
+            warnings.warn(f"thunder_memopt: {name} left {kept} ({type(e).__name__}: {e})")
+            return None
 
     @contextlib.contextmanager
     def _timed(self, name: str) -> Iterator[None]:
