@@ -45,7 +45,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -740,17 +740,25 @@ class SearchAborted(Exception):
         self.block_size = block_size
 
 
-def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: int, limit: int, *,
-                        peaks: Mapping[int, int] | None = None,
-                        capacity: int | None = None) -> tuple[int | None, int | None]:
+@dataclasses.dataclass
+class ProbeMemory:
+    """What the probes of one search have reported: each fitting block size's peak reserved bytes,
+    and the most the allocator could hold (``reservable_bytes``), once a probe has told it."""
+
+    peaks: dict[int, int] = dataclasses.field(default_factory=dict)
+    capacity: int | None = None
+
+
+def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: int, limit: int,
+                        memory: ProbeMemory | None = None) -> tuple[int | None, int | None]:
     """The largest multiple of ``granularity`` that fits, and the smallest probed one that does not.
 
     Doubles from ``start`` while it fits (up to ``limit``), halves while it does not, then narrows
     the gap between the two to ``granularity``; each probe is one call of ``fits``. ``start`` must
-    be a multiple of ``granularity``. Given ``capacity`` (bytes the allocator could hold) and
-    ``peaks`` (filled by ``fits``: each fitting block size's peak reserved bytes), the next probe is where the line through the
-    two largest fitting probes reaches capacity, since peak memory grows about linearly with T;
-    once such a guess fails, or without peaks, it bisects.
+    be a multiple of ``granularity``. Given ``memory``, which ``fits`` fills as it probes, the next
+    probe is where the line through the two largest fitting probes' peaks reaches the capacity,
+    since peak memory grows about linearly with T; once such a guess fails, or without peaks, it
+    bisects.
     """
     fitting, failing = None, None
     size = start
@@ -768,7 +776,7 @@ def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: in
     interpolate = True
     while fitting is not None and failing is not None and failing - fitting > granularity:
         middle = fitting + (failing - fitting) // 2 // granularity * granularity
-        guess = _where_peak_reaches(capacity, peaks, fitting, failing, granularity) if interpolate else None
+        guess = _where_peak_reaches(memory, fitting, failing, granularity) if interpolate and memory else None
         probe = middle if guess is None else guess
         if fits(probe):
             fitting = probe
@@ -780,11 +788,11 @@ def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: in
     return fitting, failing
 
 
-def _where_peak_reaches(capacity: int | None, peaks: Mapping[int, int] | None, fitting: int, failing: int,
-                        granularity: int) -> int | None:
+def _where_peak_reaches(memory: ProbeMemory, fitting: int, failing: int, granularity: int) -> int | None:
     """The block size, strictly between ``fitting`` and ``failing``, where the line through the two
-    largest fitting probes' peaks reaches ``capacity``; None without two such probes."""
-    known = sorted((t, p) for t, p in (peaks or {}).items() if p is not None and t <= fitting)
+    largest fitting probes' peaks reaches the capacity; None without it or two such probes."""
+    capacity = memory.capacity
+    known = sorted((t, p) for t, p in memory.peaks.items() if t <= fitting)
     if capacity is None or len(known) < 2:
         return None
     (t0, p0), (t1, p1) = known[-2:]
@@ -800,24 +808,22 @@ def search(driver: Driver, args: argparse.Namespace, template: Trial) -> None:
         for budget in budgets_for(backend, args):
             probe = dataclasses.replace(template, backend=backend, budget=budget, search=True, profile=False)
             statuses: dict[int, str] = {}
-            peaks: dict[int, int] = {}
-            capacity: list[int] = []  # what the allocator could hold, once a probe has reported it
+            memory = ProbeMemory()
 
             def fits(block_size: int) -> bool:
                 row = driver.run(dataclasses.replace(probe, block_size=block_size))
                 status = statuses[block_size] = row["status"]
                 if status == "ok" and row.get("peak_reserved_max") is not None:
-                    peaks[block_size] = row["peak_reserved_max"]
-                if row.get("reservable_bytes") and not capacity:
-                    capacity.append(row["reservable_bytes"])
+                    memory.peaks[block_size] = row["peak_reserved_max"]
+                if row.get("reservable_bytes") and memory.capacity is None:
+                    memory.capacity = row["reservable_bytes"]
                 if status not in FINAL_STATUSES:
                     raise SearchAborted(block_size)
                 return status == "ok"
 
             try:
-                largest, smallest_failing = find_max_block_size(
-                    fits, args.block_size[0], args.search_granularity, args.search_limit, peaks=peaks,
-                    capacity=capacity[0] if capacity else None)
+                largest, smallest_failing = find_max_block_size(fits, args.block_size[0], args.search_granularity,
+                                                                args.search_limit, memory)
             except SearchAborted as aborted:
                 fitting = [size for size, status in statuses.items() if status == "ok"]
                 largest, smallest_failing = max(fitting, default=None), aborted.block_size

@@ -8,6 +8,7 @@ need no model, are checked directly.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -114,36 +115,58 @@ def test_search_doubles_then_bisects(largest_fitting, start, expected):
     assert len(probed) <= 12
 
 
-@pytest.mark.parametrize("fragmentation", [0, 3 * 2**30])
-def test_search_interpolates_the_peak_when_it_is_known(fragmentation):
-    """Peak memory linear in T: the line through two fitting probes points at the answer, and the
-    search needs fewer probes than bisection. If the device runs out earlier than the line says
-    (fragmentation), the failed guess costs one probe more than bisection, and the answer is exact."""
+class _LinearMemoryDriver:
+    """Stands in for the benchmark's driver: a probe's peak reserved memory is linear in T, and it
+    runs out of memory ``fragmentation`` bytes before the allocator's capacity."""
+
     capacity, base, per_token = 140 * 2**30, 20 * 2**30, 2**30 // 1024  # 1 GiB per 1024 tokens
-    largest = (capacity - fragmentation - base) // per_token // 1024 * 1024
 
-    def search(with_peaks: bool) -> tuple[tuple, list[int]]:
-        peaks: dict[int, int] = {}
-        probed: list[int] = []
+    def __init__(self, fragmentation: int, reports_memory: bool) -> None:
+        self.fragmentation, self.reports_memory = fragmentation, reports_memory
+        self.probed: list[int] = []
+        self.summaries: list[dict] = []
 
-        def fits(block_size: int) -> bool:
-            probed.append(block_size)
-            peak = base + per_token * block_size
-            if peak + fragmentation > capacity:
-                return False
-            peaks[block_size] = peak
-            return True
+    def run(self, trial) -> dict:
+        self.probed.append(trial.block_size)
+        peak = self.base + self.per_token * trial.block_size
+        if peak + self.fragmentation > self.capacity:
+            return {"status": "OOM"}
+        if not self.reports_memory:  # as on CPU
+            return {"status": "ok", "peak_reserved_max": None, "reservable_bytes": None}
+        return {"status": "ok", "peak_reserved_max": peak, "reservable_bytes": self.capacity}
 
-        known = {"peaks": peaks, "capacity": capacity} if with_peaks else {}
-        return benchmark_fsdp2.find_max_block_size(fits, 16384, granularity=1024, limit=1 << 20, **known), probed
+    def context(self) -> dict:
+        return {}
 
-    (interpolated, probes), (bisected, bisection_probes) = search(True), search(False)
-    assert interpolated == bisected == (largest, largest + 1024)
-    assert len(set(probes)) == len(probes)
+    def record(self, key: dict, row: dict) -> None:
+        self.summaries.append(row)
+
+
+@pytest.mark.parametrize("fragmentation", [0, 3 * 2**30])
+def test_search_aims_at_where_the_peak_reaches_capacity(fragmentation):
+    """The line through two fitting probes' peaks points at the answer, so the search needs fewer
+    probes than bisection; the capacity is learnt from the probes themselves. If the device runs
+    out earlier than the line says (fragmentation), the failed guess costs one probe more than
+    bisection, and the answer is exact."""
+    args = argparse.Namespace(compile=["thunder+memopt"], block_size=[16384], search_granularity=1024,
+                              search_limit=1 << 20, memopt_budget=[1.0], inductor_budget=[0.5])
+    template = benchmark_fsdp2.Trial(
+        model="stablecode-completion-alpha-3b", n_layer=32, n_embd=2560, narrowed=False, block_size=16384,
+        micro_batch_size=1, dtype="bfloat16", distributed_mode="fsdp2", shard_mode="zero2", world_size=2,
+        backend="thunder+memopt", budget=None, warmup=1, iters=1, seed=0)
+    aimed, bisected = _LinearMemoryDriver(fragmentation, True), _LinearMemoryDriver(fragmentation, False)
+    for driver in (aimed, bisected):
+        benchmark_fsdp2.search(driver, args, template)
+    d = aimed
+    largest = (d.capacity - fragmentation - d.base) // d.per_token // 1024 * 1024
+    for driver in (aimed, bisected):
+        (summary,) = driver.summaries
+        assert (summary["max_block_size"], summary["first_failing_block_size"]) == (largest, largest + 1024)
+        assert summary["probes"] == len(driver.probed) == len(set(driver.probed))
     if fragmentation:
-        assert len(probes) <= len(bisection_probes) + 1, (probes, bisection_probes)
+        assert len(aimed.probed) <= len(bisected.probed) + 1, (aimed.probed, bisected.probed)
     else:
-        assert len(probes) < len(bisection_probes), (probes, bisection_probes)
+        assert len(aimed.probed) < len(bisected.probed), (aimed.probed, bisected.probed)
 
 
 def test_outcome_is_oom_when_any_rank_ran_out_of_memory(tmp_path):
