@@ -6,7 +6,7 @@ Runs one training step of the real-width model on CPU (gloo) for ZERO2 and ZERO3
 rank 0, what thunder_memopt.collectives.collective_bytes_at_peak reads off the forward and backward
 traces: the most all-gathered parameter bytes and the most unsharded gradient bytes alive at any
 point (these do not depend on the sequence length), and the all-gathered weights saved for
-backward.
+backward (what ZeRO-3's plan would replace by shards: collectives.plan_zero3).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch.distributed as dist
 from thunder.distributed import FSDPType, fsdp
 
 from thunder_memopt import MemoryOptimization
-from thunder_memopt.collectives import WAIT, collective_bytes_at_peak
-from thunder_memopt.memory import saved_for_backward, storage_roots, strip_deletions
+from thunder_memopt.collectives import collective_bytes_at_peak, plan_zero3
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 GIB = 2**30
@@ -35,14 +34,6 @@ def step_traces(args, strategy: FSDPType, transforms: list):
     loss = torch.nn.functional.cross_entropy(tm(x).flatten(0, 1).float(), y.flatten())
     loss.backward()
     return thunder.last_traces(tm)[-1], thunder.last_backward_traces(tm)[-1]
-
-
-def saved_unsharded_bytes(fw) -> int:
-    """Bytes of saved tensors whose storage is an all-gathered (unsharded) parameter."""
-    infos = storage_roots(fw)
-    gathered = {b.flat_proxy_outs[0].name for b in strip_deletions(fw).bound_symbols if b.sym.name == WAIT}
-    return sum({infos[t.name].storage: infos[infos[t.name].storage].nbytes
-                for t in saved_for_backward(fw).tensors if infos[t.name].storage in gathered}.values())
 
 
 def main() -> None:
@@ -67,7 +58,7 @@ def main() -> None:
             if rank0:
                 print(f"| {strategy.name} | {label} | {f.max_unsharded_param_bytes / GIB:.3f} / "
                       f"{b.max_unsharded_param_bytes / GIB:.3f} | {b.max_unsharded_grad_bytes / GIB:.3f} | "
-                      f"{saved_unsharded_bytes(fw) / GIB:.3f} |  ({time.perf_counter() - start:.0f} s)", flush=True)
+                      f"{plan_zero3(fw).unsharded_bytes / GIB:.3f} |  ({time.perf_counter() - start:.0f} s)", flush=True)
     dist.destroy_process_group()
 
 
