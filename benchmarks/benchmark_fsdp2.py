@@ -755,42 +755,56 @@ def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: in
 
     Doubles from ``start`` while it fits (up to ``limit``), halves while it does not, then narrows
     the gap between the two to ``granularity``; each probe is one call of ``fits``. ``start`` must
-    be a multiple of ``granularity``. Given ``memory``, which ``fits`` fills as it probes, the next
-    probe is where the line through the two largest fitting probes' peaks reaches the capacity,
-    since peak memory grows about linearly with T; once such a guess fails, or without peaks, it
-    bisects.
+    be a multiple of ``granularity``. Given ``memory``, which ``fits`` fills as it probes, the search
+    aims at where the line through the two largest fitting probes' peaks reaches the capacity, since
+    peak memory grows about linearly with T: the doubling jumps to one granule past that point, and
+    the narrowing probes the point itself. If the device runs out before the line says
+    (fragmentation, compile-time buffers), it steps down from there by 1, 2, 4... granules.
     """
-    fitting, failing = None, None
+    fitting, failing, aimed_past = None, None, False
     size = start
     while fitting is None or failing is None:
         if fits(size):
             fitting = size
             if failing is not None or size * 2 > limit:
                 break
-            size *= 2
+            reach = None if aimed_past or memory is None else _where_peak_reaches(memory, fitting, granularity)
+            if reach is not None and size < reach + granularity < 2 * size:
+                # Once: just past where the line says memory ends. If that fits, the line is pessimistic.
+                size, aimed_past = reach + granularity, True
+            else:
+                size *= 2
         else:
             failing = size
             if fitting is not None or size == granularity:
                 break
             size = max(granularity, size // 2 // granularity * granularity)
-    interpolate = True
+    aim, back_off = True, 0
     while fitting is not None and failing is not None and failing - fitting > granularity:
         middle = fitting + (failing - fitting) // 2 // granularity * granularity
-        guess = _where_peak_reaches(memory, fitting, failing, granularity) if interpolate and memory else None
-        probe = middle if guess is None else guess
+        reach = _where_peak_reaches(memory, fitting, granularity) if aim and memory else None
+        if back_off:
+            probe = max(failing - back_off, middle)
+        elif reach is not None:
+            probe = min(max(reach, fitting + granularity), failing - granularity)
+        else:
+            probe = middle
         if fits(probe):
             fitting = probe
+            # Past one aimed guess or a step down, bisect: a line that fell short would only crawl.
+            aim, back_off = False, 0
         else:
             failing = probe
-            # The device ran out before the line said (fragmentation, compile-time buffers): the
-            # line is optimistic, so bisect from here on.
-            interpolate = interpolate and guess is None
+            if back_off:
+                back_off *= 2
+            elif reach is not None:  # the line is optimistic: step down from here
+                aim, back_off = False, granularity
     return fitting, failing
 
 
-def _where_peak_reaches(memory: ProbeMemory, fitting: int, failing: int, granularity: int) -> int | None:
-    """The block size, strictly between ``fitting`` and ``failing``, where the line through the two
-    largest fitting probes' peaks reaches the capacity; None without it or two such probes."""
+def _where_peak_reaches(memory: ProbeMemory, fitting: int, granularity: int) -> int | None:
+    """The block size (a multiple of ``granularity``) where the line through the two largest fitting
+    probes' peaks, up to ``fitting``, reaches the capacity; None without it or two such probes."""
     capacity = memory.capacity
     known = sorted((t, p) for t, p in memory.peaks.items() if t <= fitting)
     if capacity is None or len(known) < 2:
@@ -798,8 +812,7 @@ def _where_peak_reaches(memory: ProbeMemory, fitting: int, failing: int, granula
     (t0, p0), (t1, p1) = known[-2:]
     if p1 <= p0:
         return None
-    guess = int(t1 + (capacity - p1) * (t1 - t0) / (p1 - p0)) // granularity * granularity
-    return min(max(guess, fitting + granularity), failing - granularity)
+    return int(t1 + (capacity - p1) * (t1 - t0) / (p1 - p0)) // granularity * granularity
 
 
 def search(driver: Driver, args: argparse.Namespace, template: Trial) -> None:
@@ -951,8 +964,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
 
     search_group = parser.add_argument_group("longest sequence that fits")
     search_group.add_argument("--find-max-block-size", action="store_true",
-                              help="per backend, double from the first --block-size, then bisect")
-    search_group.add_argument("--search-granularity", type=int, default=1024, help="bisect down to this many tokens")
+                              help="per backend, double from the first --block-size, then narrow (aimed on a GPU)")
+    search_group.add_argument("--search-granularity", type=int, default=1024, help="narrow down to this many tokens")
     search_group.add_argument("--search-limit", type=int, default=262144, help="largest block size probed")
 
     output = parser.add_argument_group("output and running")
