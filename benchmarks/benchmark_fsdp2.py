@@ -757,21 +757,22 @@ def find_max_block_size(fits: Callable[[int], bool], start: int, granularity: in
     the gap between the two to ``granularity``; each probe is one call of ``fits``. ``start`` must
     be a multiple of ``granularity``. Given ``memory``, which ``fits`` fills as it probes, the search
     aims at where the line through the two largest fitting probes' peaks reaches the capacity, since
-    peak memory grows about linearly with T: the doubling jumps to one granule past that point, and
-    the narrowing probes the point itself. If the device runs out before the line says
+    peak memory grows about linearly with T: the doubling jumps to 1, 2, 4... granules past that
+    point, and the narrowing probes the point itself. If the device runs out before the line says
     (fragmentation, compile-time buffers), it steps down from there by 1, 2, 4... granules.
     """
-    fitting, failing, aimed_past = None, None, False
+    fitting, failing, past = None, None, granularity
     size = start
     while fitting is None or failing is None:
         if fits(size):
             fitting = size
             if failing is not None or size * 2 > limit:
                 break
-            reach = None if aimed_past or memory is None else _where_peak_reaches(memory, fitting, granularity)
-            if reach is not None and size < reach + granularity < 2 * size:
-                # Once: just past where the line says memory ends. If that fits, the line is pessimistic.
-                size, aimed_past = reach + granularity, True
+            reach = _where_peak_reaches(memory, fitting, granularity) if memory else None
+            if reach is not None and size < reach + past < 2 * size:
+                # Past where the line says memory ends; further past each time it fits (a line that
+                # falls short), so that a pessimistic line cannot make the search crawl.
+                size, past = reach + past, 2 * past
             else:
                 size *= 2
         else:

@@ -12,7 +12,8 @@
 #                   stablecode-completion-alpha-3b, 8 layers, T=8192/16384, zero2/zero3, every backend
 #   llama3-8b       Llama-3-8B, 4 layers, T=8192, zero2, every backend
 #   maxT-inductor maxT-thunder maxT-memopt
-#                   longest T that fits: stablecode, 32 layers, zero2 (doubling from 16384, then bisection to 1024)
+#                   longest T that fits: stablecode, 32 layers, zero2 (doubling from 16384, 4096 for thunder,
+#                   then narrowing to 1024)
 #   memopt-budgets  optional: thunder+memopt at budgets 1.0, 0.5 and 0.0, stablecode 8 layers, T=16384, zero2
 #   no-schedule     thunder+memopt without the schedule pass, stablecode 8 layers, T=8192, zero2
 #   zero3-autocast  thunder and thunder+memopt, fp32 parameters under bf16 autocast, FSDP2 zero3, T=8192
@@ -43,9 +44,9 @@ stablecode_8_layers() {  # block size, shard mode, then more options
         --shard-mode "$shard_mode" --out "$OUT/stablecode_8l_$shard_mode.jsonl" "$@"
 }
 
-longest_block_size() {  # backend
+longest_block_size() {  # backend, first block size: two that fit give the search its line to aim with
     bench --model-name stablecode-completion-alpha-3b --n-layer 32 --shard-mode zero2 --compile "$1" \
-        --find-max-block-size --block-size 16384 --search-granularity 1024 --warmup 1 --iters 1 \
+        --find-max-block-size --block-size "$2" --search-granularity 1024 --warmup 1 --iters 1 \
         --out "$OUT/stablecode_32l_zero2_max_block_size.jsonl"
 }
 
@@ -65,9 +66,9 @@ case "$GROUP" in
     llama3-8b)
         bench --model-name Llama-3-8B --n-layer 4 --block-size 8192 --shard-mode zero2 \
             --compile "${ALL_BACKENDS[@]}" --out "$OUT/llama3_8b_4l_zero2.jsonl" ;;
-    maxT-inductor) longest_block_size inductor ;;
-    maxT-thunder) longest_block_size thunder ;;
-    maxT-memopt) longest_block_size thunder+memopt ;;
+    maxT-inductor) longest_block_size inductor 16384 ;;
+    maxT-thunder) longest_block_size thunder 4096 ;;  # plain Thunder saves ~3x what inductor does: start low
+    maxT-memopt) longest_block_size thunder+memopt 16384 ;;
     memopt-budgets) stablecode_8_layers 16384 zero2 --compile thunder+memopt --memopt-budget 1.0 0.5 0.0 ;;
     no-schedule) stablecode_8_layers 8192 zero2 --compile thunder+memopt --memopt-passes recompute collectives ;;
     zero3-autocast)
