@@ -3,6 +3,10 @@
 #
 #   benchmarks/gpu_suite.sh GROUP [OUT_DIR]        OUT_DIR defaults to benchmarks/results
 #
+# Rows go to the committed file of their setup in OUT_DIR (with --resume, rows already there are not
+# run again); logs go to LOG_DIR (default: next to each file). Where only a few files come back from
+# the machine that runs this, set LOG_DIR outside OUT_DIR.
+#
 # Every group runs with --resume and --time-limit (default 9 minutes, TIME_LIMIT_MIN): it starts no
 # trial that may not end in time. Exit code 3 means the group is not finished: run the same command
 # again and it carries on from the rows already in OUT_DIR. Exit code 0: the group is complete.
@@ -26,6 +30,7 @@ GROUP=${1:?usage: benchmarks/gpu_suite.sh GROUP [OUT_DIR]}
 OUT=${2:-benchmarks/results}
 PYTHON=${PYTHON:-python}
 TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-9}
+LOG_DIR=${LOG_DIR:-}
 ALL_BACKENDS=(eager eager-ac inductor inductor-budget thunder thunder+memopt)
 
 cd "$(dirname "$0")/.."
@@ -34,14 +39,15 @@ mkdir -p "$OUT"
 # The driver runs as plain python (it starts a fresh torchrun of 2 ranks per row), so that its
 # exit code 3 reaches this script; under an outer torchrun it would read as a failed worker.
 bench() {
-    "$PYTHON" benchmarks/benchmark_fsdp2.py --nproc-per-node 2 --resume --time-limit "$TIME_LIMIT_MIN" "$@"
+    "$PYTHON" benchmarks/benchmark_fsdp2.py --nproc-per-node 2 --resume --time-limit "$TIME_LIMIT_MIN" \
+        ${LOG_DIR:+--log-dir "$LOG_DIR"} "$@"
 }
 
 stablecode_8_layers() {  # block size, shard mode, then more options
     local block_size=$1 shard_mode=$2
     shift 2
     bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size "$block_size" \
-        --shard-mode "$shard_mode" --out "$OUT/stablecode_8l_$shard_mode.jsonl" "$@"
+        --shard-mode "$shard_mode" --out "$OUT/stablecode_8l_${shard_mode}_T$block_size.jsonl" "$@"
 }
 
 longest_block_size() {  # backend, first block size: two that fit give the search its line to aim with
@@ -65,7 +71,7 @@ case "$GROUP" in
     sc-16k-zero3) stablecode_8_layers 16384 zero3 --compile "${ALL_BACKENDS[@]}" ;;
     llama3-8b)
         bench --model-name Llama-3-8B --n-layer 4 --block-size 8192 --shard-mode zero2 \
-            --compile "${ALL_BACKENDS[@]}" --out "$OUT/llama3_8b_4l_zero2.jsonl" ;;
+            --compile "${ALL_BACKENDS[@]}" --out "$OUT/llama3_8b_4l_zero2_T8192.jsonl" ;;
     maxT-inductor) longest_block_size inductor 16384 ;;
     maxT-thunder) longest_block_size thunder 4096 ;;  # plain Thunder saves ~3x what inductor does: start low
     maxT-memopt) longest_block_size thunder+memopt 16384 ;;
@@ -73,20 +79,21 @@ case "$GROUP" in
     no-schedule) stablecode_8_layers 8192 zero2 --compile thunder+memopt --memopt-passes recompute collectives ;;
     zero3-autocast)
         bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode zero3 \
-            --dtype fp32 --autocast --compile thunder thunder+memopt --out "$OUT/stablecode_8l_zero3_autocast.jsonl" ;;
+            --dtype fp32 --autocast --compile thunder thunder+memopt --out "$OUT/stablecode_8l_zero3_autocast_T8192.jsonl" ;;
     thunder-fsdp)
         for mode in zero2 zero3; do
             bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode "$mode" \
                 --distributed-mode thunder-fsdp --compile thunder thunder+memopt \
-                --out "$OUT/stablecode_8l_thunder_fsdp_$mode.jsonl"
+                --out "$OUT/stablecode_8l_thunder_fsdp_${mode}_T8192.jsonl"
         done ;;
     single-h200)
         for passes in "recompute collectives schedule" recompute; do
             # shellcheck disable=SC2086  # one argument per pass name
             CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/benchmark_fsdp2.py --distributed-mode none --nproc-per-node 1 \
-                --resume --time-limit "$TIME_LIMIT_MIN" --model-name stablecode-completion-alpha-3b --n-layer 4 \
+                --resume --time-limit "$TIME_LIMIT_MIN" ${LOG_DIR:+--log-dir "$LOG_DIR"} \
+                --model-name stablecode-completion-alpha-3b --n-layer 4 \
                 --block-size 8192 --compile thunder thunder+memopt --memopt-passes $passes \
-                --out "$OUT/stablecode_4l_single_h200.jsonl"
+                --out "$OUT/stablecode_4l_single_h200_T8192.jsonl"
         done ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;

@@ -231,13 +231,19 @@ def block_size_panel(axis, rows: list[dict]) -> None:
         axis.text(0.5, 0.5, NOT_MEASURED, transform=axis.transAxes, ha="center")
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """Peak memory and step time per backend, and memory against block size when several were run."""
+def pyplot():
+    """matplotlib.pyplot on the file-only backend (no display on the GPU host or in CI)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Peak memory and step time per backend, and memory against block size when several were run."""
+    plt = pyplot()
     runs = measured_rows(rows)
     several_block_sizes = len({row["block_size"] for row in runs}) > 1
     figure, axes = plt.subplots(1, 3 if several_block_sizes else 2, figsize=(18 if several_block_sizes else 12, 5))
@@ -254,6 +260,37 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def plot_search(rows: list[dict], path: Path) -> None:
+    """--find-max-block-size: each backend's probes, peak reserved against T (a cross where it ran out
+    of memory), the longest T that fit marked, and the most the allocator could reserve."""
+    plt = pyplot()
+    probes = [row for row in rows if row.get("row_type") == "run" and row.get("search")]
+    figure, axis = plt.subplots(figsize=(10, 5))
+    for index, summary in enumerate(row for row in rows if row.get("row_type") == "max_block_size"):
+        label, colour = backend_label(summary), f"C{index}"
+        mine = sorted((row for row in probes if backend_label(row) == label), key=lambda row: row["block_size"])
+        fitting = [row for row in mine if row["status"] == "ok" and row.get("peak_reserved_max") is not None]
+        axis.plot([row["block_size"] for row in fitting], [row["peak_reserved_max"] / GIB for row in fitting],
+                  marker="o", color=colour, label=f"{label}: longest T {summary['max_block_size']}")
+        for row in mine:
+            if row["status"] != "ok":
+                axis.plot(row["block_size"], fitting[-1]["peak_reserved_max"] / GIB if fitting else 0,
+                          marker="x", color=colour, markersize=9)
+        if summary["max_block_size"] is not None:
+            axis.axvline(summary["max_block_size"], color=colour, linestyle=":")
+    reservable = [row["reservable_bytes"] for row in probes if row.get("reservable_bytes")]
+    if reservable:
+        axis.axhline(min(reservable) / GIB, color="grey", linestyle="--", label="reservable (free + held)")
+    axis.set_xlabel("block size T (tokens); x: out of memory")
+    axis.set_ylabel("peak reserved, max over ranks (GiB)")
+    axis.legend(fontsize=8)
+    first = probes[0] if probes else rows[0]
+    figure.suptitle(f"longest T that fits\n{heading(first)}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="JSON lines files from benchmark_fsdp2.py")
@@ -263,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(rows))
     if args.plot is not None and measured_rows(rows):
         plot(rows, args.plot)
+    elif args.plot is not None and any(row.get("row_type") == "max_block_size" for row in rows):
+        plot_search(rows, args.plot)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,16 @@ def test_tables_show_the_latest_row_of_a_measurement():
     rows = [{**row, "backend": "thunder", "status": "error"}, {**row, "backend": "eager", "status": "ok"},
             {**row, "backend": "thunder", "status": "ok"}]
     assert make_table.latest(rows) == [rows[2], rows[1]]
+
+
+def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
+    """The committed 32-layer search rows (probes and one summary per backend) give the search table
+    and the plot of the probes' peaks against T."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "stablecode_32l_zero2_max_block_size.jsonl"
+    plot_path = tmp_path / "search.png"
+    make_table.main([str(results), "--plot", str(plot_path)])
+    table = capsys.readouterr().out
+    summaries = [row for row in make_table.load_rows([results]) if row["row_type"] == "max_block_size"]
+    assert table.startswith("#### Longest sequence that fits")
+    assert table.count("\n| stablecode") == len(summaries) == 3
+    assert plot_path.stat().st_size > 0
