@@ -76,6 +76,7 @@ PROFILE_TOP_OPS = 10
 PROFILE_NAME_CHARS = 90
 # Statuses that a rerun with --resume takes from --out instead of measuring again.
 FINAL_STATUSES = ("ok", "OOM")
+MEMOPT_ONLY_FIELDS = ("memopt_passes", "fuse_replays")  # Trial fields that change only thunder+memopt
 EXIT_INCOMPLETE = 3  # --time-limit stopped the run; rerun the same command with --resume
 STOP_GRACE_S = 30
 ERROR_MESSAGE_CHARS = 2000  # compile errors quote whole commands; the log has the rest
@@ -623,6 +624,15 @@ def launch_trial(trial: Trial, log_path: Path, timeout_s: float) -> dict:
         return trial_outcome(work_dir, exit_code, timeout_s, log_path)
 
 
+def same_measurement(row: dict, key: dict) -> bool:
+    """Whether ``row`` measured what ``key`` describes. A field added after the row was written takes
+    the value that rows had before (make_table.FIELD_DEFAULTS); the MemoryOptimization options count
+    only for thunder+memopt, so --resume keeps, say, an eager row written before they existed."""
+    ignored = () if key.get("backend") == "thunder+memopt" else MEMOPT_ONLY_FIELDS
+    return all(row.get(field, make_table.FIELD_DEFAULTS.get(field)) == value
+               for field, value in key.items() if field not in ignored)
+
+
 class TimeLimitReached(Exception):
     """Not enough of --time-limit is left for another trial."""
 
@@ -644,9 +654,9 @@ class Driver:
         self.rows: list[dict] = []
 
     def earlier_row(self, key: dict) -> dict | None:
-        """With --resume, the last row of --out with these key fields (a run row only if ok or OOM)."""
+        """With --resume, the last row of --out that measured ``key`` (a run row only if ok or OOM)."""
         matches = [row for row in self.earlier_rows
-                   if row.get("status", "ok") in FINAL_STATUSES and all(row.get(f) == v for f, v in key.items())]
+                   if row.get("status", "ok") in FINAL_STATUSES and same_measurement(row, key)]
         return matches[-1] if matches else None
 
     def trial_timeout(self) -> tuple[float, bool]:

@@ -9,6 +9,7 @@ need no model, are checked directly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -211,3 +212,24 @@ def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
     assert table.startswith("#### Longest sequence that fits")
     assert table.count("\n| stablecode") == len(summaries) == 3
     assert plot_path.stat().st_size > 0
+
+
+def test_resume_takes_rows_written_before_later_options():
+    """--resume on the committed files must not measure again an eager row written before --autocast
+    and --memopt-fuse-replays existed, but must measure again a thunder+memopt row of that time,
+    whose replays ran unfused."""
+    trial = benchmark_fsdp2.Trial(
+        model="stablecode-completion-alpha-3b", n_layer=8, n_embd=2560, narrowed=False, block_size=8192,
+        micro_batch_size=1, dtype="bfloat16", distributed_mode="fsdp2", shard_mode="zero2", world_size=2,
+        backend="eager", budget=None, warmup=2, iters=5, seed=0)
+    memopt = dataclasses.replace(trial, backend="thunder+memopt", budget=1.0)
+    before_options = {"row_type": "run", **trial.resume_key()}
+    for added_later in ("autocast", "fuse_replays"):
+        del before_options[added_later]
+    assert benchmark_fsdp2.same_measurement(before_options, {"row_type": "run", **trial.resume_key()})
+    memopt_before = {**before_options, "backend": "thunder+memopt", "budget": 1.0}
+    assert not benchmark_fsdp2.same_measurement(memopt_before, {"row_type": "run", **memopt.resume_key()})
+    memopt_now = {"row_type": "run", **memopt.resume_key()}
+    assert benchmark_fsdp2.same_measurement(memopt_now, {"row_type": "run", **memopt.resume_key()})
+    assert not benchmark_fsdp2.same_measurement(memopt_now, {"row_type": "run", **dataclasses.replace(
+        memopt, fuse_replays="off").resume_key()})
