@@ -76,6 +76,7 @@ PROFILE_TOP_OPS = 10
 PROFILE_NAME_CHARS = 90
 # Statuses that a rerun with --resume takes from --out instead of measuring again.
 FINAL_STATUSES = ("ok", "OOM")
+LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
 MEMOPT_ONLY_FIELDS = ("memopt_passes", "fuse_replays")  # Trial fields that change only thunder+memopt
 EXIT_INCOMPLETE = 3  # --time-limit stopped the run; rerun the same command with --resume
 STOP_GRACE_S = 30
@@ -114,6 +115,7 @@ class Trial:
     memopt_passes: tuple[str, ...] | None = None  # thunder+memopt: MemoryOptimization(passes=...); None: all
     fuse_replays: str = "auto"  # thunder+memopt: MemoryOptimization(fuse_replays=...): auto, on or off
     autocast: bool = False  # bf16 torch.autocast over parameters kept in ``dtype``
+    loss_mode: str = "in-graph"  # where and how the cross-entropy runs: one of LOSS_MODES
     profile: bool = False
     memory_snapshot: str | None = None
 
@@ -125,6 +127,8 @@ class Trial:
             budget += f" fuse_replays={self.fuse_replays}"
         if self.autocast:
             budget += " autocast"
+        if self.loss_mode != "in-graph":
+            budget += f" loss={self.loss_mode}"
         sharding = make_table.sharding_of(dataclasses.asdict(self))
         return (f"{self.backend}{budget} T={self.block_size} "
                 f"({self.model}, {self.n_layer} layers, {sharding}, world size {self.world_size})")
@@ -264,16 +268,37 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
         shard_with_fsdp2(gpt, trial)
     from thunder_memopt.models import GPTWithLoss
 
-    module = GPTWithLoss(gpt)
+    module = GPTWithLoss(gpt) if trial.loss_mode == "in-graph" else gpt
     autocast_device = device.type if trial.autocast else None
     memopt = memory_optimization(trial) if trial.backend == "thunder+memopt" else None
     if trial.distributed_mode == "thunder-fsdp":
         sharded = thunder_fsdp(module, trial, device, [memopt] if memopt is not None else [])
-        return Training(sharded, sharded, fsdp_root=None, reshard_after_forward=zero3, autocast_device=autocast_device,
-                        memopt=memopt)
+        return Training(with_loss(sharded, trial.loss_mode), sharded, fsdp_root=None, reshard_after_forward=zero3,
+                        autocast_device=autocast_device, memopt=memopt)
     fsdp_root = gpt if trial.distributed_mode == "fsdp2" else None
-    return Training(compile_for_backend(module, trial, memopt), module, fsdp_root=fsdp_root,
+    return Training(with_loss(compile_for_backend(module, trial, memopt), trial.loss_mode), module, fsdp_root=fsdp_root,
                     reshard_after_forward=zero3, autocast_device=autocast_device, memopt=memopt)
+
+
+def with_loss(compiled: Callable, loss_mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(input_ids, targets) -> loss. ``in-graph``: ``compiled`` is GPTWithLoss and returns the loss.
+    Otherwise ``compiled`` returns the logits and the loss is computed after it, in eager, as a
+    litgpt training loop does; the logits stay alive until the loss is dropped, as the loop's
+    variable does through backward and the optimizer step."""
+    if loss_mode == "in-graph":
+        return compiled
+    from litgpt.utils import chunked_cross_entropy
+
+    def forward(input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = compiled(input_ids)
+        if loss_mode == "litgpt":
+            value = chunked_cross_entropy(logits, targets)
+        else:  # outside-fp32
+            value = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        value.logits = logits
+        return value
+
+    return forward
 
 
 def synchronize(device: torch.device) -> None:
@@ -722,7 +747,7 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                  world_size=1 if args.distributed_mode == "none" else world_size, backend=args.compile[0], budget=None,
                  warmup=args.warmup, iters=args.iters, seed=args.seed, profile=args.profile,
                  memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
-                 fuse_replays=args.memopt_fuse_replays, autocast=args.autocast)
+                 fuse_replays=args.memopt_fuse_replays, autocast=args.autocast, loss_mode=args.loss_mode)
 
 
 def snapshot_path(base: str | None, trial: Trial) -> str | None:
@@ -941,6 +966,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                        f"{GPU_DEFAULT_BLOCK_SIZE} on GPU, {CPU_DEFAULT_BLOCK_SIZE} on CPU")
     model.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank and step")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameters and compute")
+    model.add_argument("--loss-mode", choices=LOSS_MODES, default="in-graph",
+                       help="in-graph: the cross-entropy inside the compiled module (default); after it, in eager, "
+                            "with the logits held through the step as a training loop holds them: litgpt "
+                            "(litgpt's chunked_cross_entropy) or outside-fp32 (cross_entropy of logits.float())")
     model.add_argument("--autocast", action="store_true",
                        help="bf16 torch.autocast over parameters kept in --dtype (which must then be fp32)")
     model.add_argument("--seed", type=int, default=0, help="weights and batch (rank r's batch: seed + r)")

@@ -18,6 +18,8 @@
 #   maxT-inductor maxT-thunder maxT-memopt
 #                   longest T that fits: stablecode, 32 layers, zero2 (doubling from 16384, 4096 for thunder,
 #                   then narrowing to 1024)
+#   reference-loss  the loss after the compiled model on fp32 logits (--loss-mode outside-fp32): eager, inductor
+#                   and thunder, stablecode 8 layers, T=8192, zero2; tests what the reference peaks ran
 #   memopt-budgets  optional: thunder+memopt at budgets 1.0, 0.5 and 0.0, stablecode 8 layers, T=16384, zero2
 #   no-schedule     thunder+memopt without the schedule pass, stablecode 8 layers, T=8192, zero2
 #   zero3-autocast  thunder and thunder+memopt, fp32 parameters under bf16 autocast, FSDP2 zero3, T=8192
@@ -75,6 +77,10 @@ case "$GROUP" in
     maxT-inductor) longest_block_size inductor 16384 ;;
     maxT-thunder) longest_block_size thunder 4096 ;;  # plain Thunder saves ~3x what inductor does: start low
     maxT-memopt) longest_block_size thunder+memopt 16384 ;;
+    reference-loss)
+        bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode zero2 \
+            --loss-mode outside-fp32 --compile eager inductor thunder thunder+memopt \
+            --out "$OUT/stablecode_8l_zero2_T8192_loss_outside_fp32.jsonl" ;;
     memopt-budgets) stablecode_8_layers 16384 zero2 --compile thunder+memopt --memopt-budget 1.0 0.5 0.0 ;;
     no-schedule) stablecode_8_layers 8192 zero2 --compile thunder+memopt --memopt-passes recompute collectives ;;
     zero3-autocast)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 # The fields that make two runs comparable, apart from block size, backend and budget.
 CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
-                 "shard_mode", "autocast", "world_size", "gpu")
+                 "shard_mode", "autocast", "loss_mode", "world_size", "gpu")
 # Fields added later: rows written before them had these values.
-FIELD_DEFAULTS = {"autocast": False}
+FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph"}
 SETTING_NAMES = {"model": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=", "micro_batch_size": "B=",
-                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "world_size": "ranks=", "gpu": "",
+                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "loss_mode": "loss=", "world_size": "ranks=", "gpu": "",
                  "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
@@ -86,8 +86,11 @@ def sharding_of(row: dict) -> str:
 
 
 def heading(row: dict) -> str:
+    autocast = " + bf16 autocast" if row.get("autocast") else ""
+    loss_mode = row.get("loss_mode", FIELD_DEFAULTS["loss_mode"])
+    loss = "" if loss_mode == FIELD_DEFAULTS["loss_mode"] else f", loss {loss_mode} (after the compiled model)"
     return (f"{row['model']}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "
-            f"{row['dtype']}{' + bf16 autocast' if row.get('autocast') else ''}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
+            f"{row['dtype']}{autocast}{loss}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
             f"{row['world_size']} × {row['gpu']}")
 
 

@@ -233,3 +233,30 @@ def test_resume_takes_rows_written_before_later_options():
     assert benchmark_fsdp2.same_measurement(memopt_now, {"row_type": "run", **memopt.resume_key()})
     assert not benchmark_fsdp2.same_measurement(memopt_now, {"row_type": "run", **dataclasses.replace(
         memopt, fuse_replays="off").resume_key()})
+
+
+@pytest.mark.parametrize("backend", ["eager", "thunder"])
+def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
+    """--loss-mode litgpt and outside-fp32 compute the cross-entropy after the compiled model and
+    keep its logits alive with the loss, as a litgpt training loop's variable does."""
+    import torch
+
+    from thunder_memopt.models import build_model, narrow_config, random_batch
+
+    config = narrow_config("stablecode-completion-alpha-3b", n_layer=1, n_embd=128, block_size=64)
+    input_ids, targets = random_batch(config, batch_size=1, seq_len=64)
+    trial = benchmark_fsdp2.Trial(
+        model="stablecode-completion-alpha-3b", n_layer=1, n_embd=128, narrowed=True, block_size=64,
+        micro_batch_size=1, dtype="bfloat16", distributed_mode="none", shard_mode="zero2", world_size=1,
+        backend=backend, budget=None, warmup=1, iters=1, seed=0)
+    losses = {}
+    for loss_mode in benchmark_fsdp2.LOSS_MODES:
+        training = benchmark_fsdp2.prepare_training(build_model(config), dataclasses.replace(trial, loss_mode=loss_mode),
+                                                    torch.device("cpu"))
+        loss = training.forward(input_ids, targets)
+        loss.backward()
+        losses[loss_mode] = loss.item()
+        if loss_mode != "in-graph":
+            assert loss.logits.shape == (1, 64, config.padded_vocab_size)
+    assert losses["litgpt"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
+    assert losses["outside-fp32"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
