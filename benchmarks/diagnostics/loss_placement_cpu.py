@@ -7,8 +7,8 @@ thunder 26.71) sit 3.00 GiB (eager, eager-ac) and 3.76 GiB (inductor, inductor w
 thunder) above the benchmark's (12.14, 11.39, 22.95). 0.75 GiB is one bf16 tensor of the logits'
 size (T x vocab x 2 bytes), so the gaps are 4 and 5 such units. This script measures, for one
 narrowed stablecode layer with the real vocabulary (49152), the peak of live tensor bytes over a
-forward and backward, in eager and under thunder.jit, for each way of computing the loss, in those
-units:
+forward and backward, in eager, under thunder.jit and under torch.compile with ThunderCompiler (the
+benchmark's FSDP2 path), for each way of computing the loss, in those units:
 
 * in-graph: the benchmark's GPTWithLoss (cross-entropy on bf16 logits inside the module);
 * in-graph fp32: GPTWithLoss(upcast_logits=True);
@@ -35,7 +35,7 @@ from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, rando
 
 MODEL, VOCAB, SEQ_LEN, N_EMBD = "stablecode-completion-alpha-3b", 49152, 2048, 256
 MIB = 2**20
-BACKENDS = ("eager", "thunder")  # inductor on CPU fails to compile this bf16 graph (a C++ codegen error)
+BACKENDS = ("eager", "thunder", "ThunderCompiler")  # inductor on CPU fails to compile this bf16 graph (a C++ codegen error)
 
 
 def peak_live_bytes(step) -> int:
@@ -58,6 +58,10 @@ def peak_live_bytes(step) -> int:
 def compiled(module: torch.nn.Module, backend: str):
     if backend == "eager":
         return module
+    if backend == "ThunderCompiler":
+        from thunder.dynamo import ThunderCompiler
+
+        return torch.compile(module, backend=ThunderCompiler())
     import thunder
 
     return thunder.jit(module)
