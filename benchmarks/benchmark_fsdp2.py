@@ -59,7 +59,7 @@ import torch.distributed as dist  # noqa: E402
 
 import make_table  # noqa: E402  (benchmarks/ is sys.path[0] when this file runs as a script)
 
-BACKENDS = ("eager", "eager-ac", "inductor", "inductor-budget", "thunder", "thunder+memopt")
+BACKENDS = make_table.BACKENDS
 THUNDER_BACKENDS = ("thunder", "thunder+memopt")
 DISTRIBUTED_MODES = ("fsdp2", "thunder-fsdp", "none")
 FUSE_REPLAYS = {"auto": None, "on": True, "off": False}

@@ -16,6 +16,8 @@ import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+# The benchmark's backends, in the order the summary lists them.
+BACKENDS = ("eager", "eager-ac", "inductor", "inductor-budget", "thunder", "thunder+memopt")
 # The fields that make two runs comparable, apart from block size, backend and budget.
 CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
                  "shard_mode", "autocast", "loss_mode", "world_size", "gpu")
@@ -144,6 +146,33 @@ def markdown(rows: list[dict]) -> str:
     if searches:
         sections.append("#### Longest sequence that fits\n\n" + table(SEARCH_COLUMNS, searches))
     return "\n\n".join(sections)
+
+
+def summary(rows: list[dict]) -> str:
+    """One row per backend and one column per block size, each cell the peak (max over ranks) and
+    the step time: the short form of markdown(), per configuration."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in measured_rows(rows):
+        groups.setdefault(config_of(row), []).append(row)
+    sections = []
+    for group in groups.values():
+        block_sizes = sorted({row["block_size"] for row in group})
+        cells = {(backend_label(row), row["block_size"]): row for row in group}
+        columns = [("backend", lambda label: label)] + [
+            (f"T={block_size}: peak GiB / step ms", lambda label, t=block_size: summary_cell(cells.get((label, t))))
+            for block_size in block_sizes]
+        by_label = {backend_label(row): row["backend"] for row in group}
+        labels = sorted(by_label, key=lambda label: BACKENDS.index(by_label[label]))  # stable: file order within
+        sections.append(f"#### {heading(group[0])}\n\n" + table(columns, labels))
+    return "\n\n".join(sections)
+
+
+def summary_cell(row: dict | None) -> str:
+    if row is None:
+        return MISSING
+    if row["status"] != "ok":
+        return row["status"]
+    return f"{number(row.get('peak_alloc_max'), '.2f', GIB)} / {number(row.get('step_ms'), '.0f')}"
 
 
 def describe_row(row: dict) -> str:
@@ -298,9 +327,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="JSON lines files from benchmark_fsdp2.py")
     parser.add_argument("--plot", type=Path, help="also write this PNG")
+    parser.add_argument("--summary", action="store_true",
+                        help="one row per backend, a column per block size: peak GiB / step ms")
     args = parser.parse_args(argv)
     rows = latest(load_rows(args.results))
-    print(markdown(rows))
+    print(summary(rows) if args.summary else markdown(rows))
     if args.plot is not None and measured_rows(rows):
         plot(rows, args.plot)
     elif args.plot is not None and any(row.get("row_type") == "max_block_size" for row in rows):

@@ -260,3 +260,15 @@ def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
             assert loss.logits.shape == (1, 64, config.padded_vocab_size)
     assert losses["litgpt"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
     assert losses["outside-fp32"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
+
+
+def test_summary_has_a_row_per_backend_and_a_column_per_block_size():
+    row = {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 256, "budget": None, "status": "ok",
+           "world_size": 2, "gpu": "g", "dtype": "bfloat16", "micro_batch_size": 1, "distributed_mode": "fsdp2",
+           "shard_mode": "zero2"}
+    rows = [{**row, "backend": "thunder", "block_size": 128, "peak_alloc_max": 3 * 2**30, "step_ms": 20.0},
+            {**row, "backend": "eager", "block_size": 256, "status": "OOM"},
+            {**row, "backend": "eager", "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}]
+    lines = make_table.summary(rows).splitlines()
+    assert lines[2:] == ["| backend | T=128: peak GiB / step ms | T=256: peak GiB / step ms |", "|---|---|---|",
+                         "| eager | 1.00 / 10 | OOM |", "| thunder | 3.00 / 20 | – |"]
