@@ -1,0 +1,27 @@
+"""The examples run as a user runs them (on CPU here: narrowed model, gloo for FSDP2)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+COMMANDS = {
+    "jit_single_device": [sys.executable, "examples/jit_single_device.py"],
+    "fsdp2_thunderfx": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "examples/fsdp2_thunderfx.py"],
+}
+
+
+@pytest.mark.parametrize("example", sorted(COMMANDS))
+def test_example_trains_and_reports_each_step(example):
+    finished = subprocess.run(COMMANDS[example], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    losses = [float(loss) for loss in re.findall(r"^step \d+: loss (\S+),", finished.stdout, re.MULTILINE)]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), finished.stdout
