@@ -60,3 +60,42 @@ def test_liveness_peak_is_where_outputs_meet_live_inputs():
     step_estimate = estimate_step(step.forward_trace, step.backward_trace)
     assert step_estimate.peak_bytes > 0
     assert step_estimate.peak_phase in {"forward", "backward"}
+
+
+@pytest.fixture
+def cross_entropy_compiled_on_cpu(monkeypatch):
+    """Let Thunder's torchcompile_xentropy executor claim the cross-entropy on CPU, as it does on a
+    GPU: a torch.compile region whose outputs alias (the logits' gradient and a reshape of it)."""
+    from thunder.executors.torch_compile import torch_compile_xentropy_ex
+    from thunder.extend import ImplInfo
+
+    for op in list(torch_compile_xentropy_ex._implmap):
+        monkeypatch.setitem(torch_compile_xentropy_ex._implmap, op, ImplInfo(checker=lambda *args, **kwargs: True))
+
+
+@pytest.mark.parametrize("cross_entropy", ["eager", "torch.compile region"])
+@pytest.mark.parametrize("optimized", [False, True], ids=["plain", "MemoryOptimization"])
+def test_estimated_step_peak_is_the_measured_peak_of_live_tensors(cross_entropy, optimized, request):
+    """estimate_step against the profiler's live tensor bytes of a real forward+backward: a saved
+    tensor and its view are one storage, a saved slice keeps its base, a saved expand keeps only
+    what it expands, and aliasing outputs of a torch.compile region are one storage."""
+    import thunder
+
+    from thunder_memopt import MemoryOptimization
+    from thunder_memopt.measure import peak_live_bytes
+    from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
+
+    if cross_entropy == "torch.compile region":
+        request.getfixturevalue("cross_entropy_compiled_on_cpu")
+    config = narrow_config("stablecode-completion-alpha-3b", n_layer=2, n_embd=256, block_size=256, vocab_size=8192)
+    model = build_model(config)
+    x, y = random_batch(config, batch_size=1, seq_len=256)
+    jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), transforms=[MemoryOptimization()] if optimized else [])
+    jitted(x, y).backward()
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    compiled_regions = [b for b in backward.bound_symbols if b.sym.name.startswith("TorchCompile")]
+    assert bool(compiled_regions) == (cross_entropy == "torch.compile region")
+    model.zero_grad(set_to_none=True)
+    measured = peak_live_bytes(lambda: jitted(x, y).backward())
+    estimated = estimate_step(forward, backward).peak_bytes
+    assert estimated == pytest.approx(measured, rel=0.01), (estimated, measured)

@@ -1,8 +1,11 @@
-"""Runtime measurement of what autograd saves for backward, to check the memory model against.
+"""Runtime measurements to check the memory model against.
 
-``torch.autograd.graph.saved_tensors_hooks`` sees every tensor a ``torch.autograd.Function`` (and so
-Thunder's ``ThunderFunction``) saves. Tensors are de-duplicated by storage and the module's
-parameters excluded, which is the quantity the memory model predicts.
+``measure_saved``: ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor a
+``torch.autograd.Function`` (and so Thunder's ``ThunderFunction``) saves. Tensors are de-duplicated
+by storage and the module's parameters excluded, which is the quantity the memory model predicts.
+
+``peak_live_bytes``: the peak of live tensor bytes of a step from torch.profiler's memory timeline,
+which also works on CPU, where there is no CUDA allocator to ask.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import warnings
+
 import torch
 
-__all__ = ["SavedMeasurement", "measure_saved"]
+__all__ = ["SavedMeasurement", "measure_saved", "peak_live_bytes"]
 
 
 @dataclass(frozen=True)
@@ -39,3 +44,30 @@ def measure_saved(fn: Callable, *args, parameters: Iterable[torch.Tensor] = (), 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
     return SavedMeasurement(sum(storages.values()), len(storages), out)
+
+
+def peak_live_bytes(step: Callable[[], object]) -> int:
+    """The most tensor bytes alive at once while ``step()`` runs, above those alive before it.
+
+    Read from the profiler's record of tensor creations and destructions, so it leaves out the
+    allocator's rounding and caching: on a GPU, ``torch.cuda.max_memory_allocated`` is the figure.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's notes on missing CUDA and event cycles
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:
+            step()
+    live = peak = before = 0
+    for _, action, _, nbytes in prof._memory_profile().timeline:
+        if action == Action.PREEXISTING:
+            before += nbytes
+            live += nbytes
+        elif action == Action.CREATE:
+            live += nbytes
+        elif action == Action.DESTROY:
+            live -= nbytes
+        peak = max(peak, live)
+    return peak - before

@@ -29,6 +29,7 @@ from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.core.trace import TraceCtx, TraceTag
+from thunder.executors.torch_compile import TorchCompileExecutor
 
 __all__ = [
     "TensorInfo",
@@ -190,6 +191,34 @@ def view_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> dict[str,
     return {o.name: local[o.name] for o in outs}
 
 
+def _torch_compile_region(bsym: BoundSymbol) -> bool:
+    """A region that Thunder runs through torch.compile, whose AOTAutograd returns an output that
+    aliases another output, or an input, as a view of it."""
+    return isinstance(getattr(bsym.sym, "executor", None), TorchCompileExecutor)
+
+
+def region_output_views(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> dict[str, tuple[str, Strides]]:
+    """For a torch.compile region: each output that is a view of one of the region's arguments or of
+    another of its outputs, with that base's name and the view's strides, from the region's
+    decomposition (the cross-entropy region returns the logits' gradient and a reshape of it)."""
+    local = ChainMap({}, strides)
+    base_of = {a.name: a.name for a in tensor_args(bsym)}
+    for sub in bsym.subsymbols:
+        views = view_strides(sub, local)
+        sub_args = tensor_args(sub)
+        for o in tensor_outs(sub):
+            if views is not None and o.name in views:
+                local.maps[0][o.name] = views[o.name]
+                base_of[o.name] = base_of.get(sub_args[0].name, sub_args[0].name)
+            else:
+                local.maps[0][o.name] = contiguous_strides(o.shape)
+                base_of[o.name] = o.name
+    outs = tensor_outs(bsym)
+    handles = {a.name for a in tensor_args(bsym)} | {o.name for o in outs}
+    return {o.name: (base_of[o.name], local[o.name]) for o in outs
+            if base_of.get(o.name, o.name) != o.name and base_of[o.name] in handles}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor proxy: its bytes and the storage it lives in."""
@@ -217,11 +246,16 @@ def trace_inputs(trace: TraceCtx) -> list[TensorProxy]:
     return [a for a in flat if isinstance(a, TensorProxy)]
 
 
-def storage_roots(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None) -> dict[str, TensorInfo]:
+def storage_roots(
+    trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None, shared_inputs: Mapping[str, str] | None = None
+) -> dict[str, TensorInfo]:
     """Every tensor proxy of the trace, keyed by name, with the storage it lives in.
 
-    ``bsyms`` replaces the trace's bound symbols (indices then refer to it).
+    ``bsyms`` replaces the trace's bound symbols (indices then refer to it). ``shared_inputs`` maps
+    an input (or a saved tensor a backward unpacks) to the input whose storage it shares, which the
+    trace cannot see: a forward that saves a tensor and a view of it hands the backward both.
     """
+    shared_inputs = shared_inputs or {}
     inputs = trace_inputs(trace)
     bsyms = trace.bound_symbols if bsyms is None else bsyms
     infos: dict[str, TensorInfo] = {}
@@ -243,13 +277,13 @@ def storage_roots(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None) -
         strides.setdefault(t.name, contiguous_strides(t.shape))
 
     for t in inputs:
-        add(t, t.name, None, None)
+        add(t, shared_inputs.get(t.name, t.name), None, None)
     for i, bsym in enumerate(bsyms):
         if is_bookkeeping(bsym):
             # Unpacking in a backward trace introduces the saved tensors: they are inputs.
             if bsym.sym.id in (prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.UNPACK_TRIVIAL):
                 for o in tensor_outs(bsym):
-                    add(o, o.name, None, None)
+                    add(o, shared_inputs.get(o.name, o.name), None, None)
             continue
         if bsym.sym.name == "update_aliases":
             # Thunder's marker after an in-place op: each output is its input, renamed.
@@ -260,6 +294,14 @@ def storage_roots(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None) -
             base = bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]
             for o in tensor_outs(bsym):
                 add(o, infos[base.name].storage if base.name in infos else base.name, bsym, i)
+            continue
+        if bsym.subsymbols and _torch_compile_region(bsym):
+            region_views = region_output_views(bsym, strides)
+            for o in tensor_outs(bsym):
+                base, view = region_views.get(o.name, (o.name, None))
+                if view is not None:
+                    strides[o.name] = view
+                add(o, infos[base].storage if base in infos else base, bsym, i)
             continue
         views = view_strides(bsym, strides)
         base = tensor_args(bsym)[0] if views else None
@@ -304,7 +346,11 @@ def _last_uses(bsyms: Sequence[BoundSymbol], infos: dict[str, TensorInfo]) -> di
 
 
 def estimate_memory(
-    trace: TraceCtx, *, inputs_freed: bool | None = None, held: Iterable[str] = ()
+    trace: TraceCtx,
+    *,
+    inputs_freed: bool | None = None,
+    held: Iterable[str] = (),
+    known_storages: Mapping[str, tuple[str, int]] | None = None,
 ) -> MemoryEstimate:
     """Estimate the live bytes after every bound symbol of an execution trace.
 
@@ -313,13 +359,17 @@ def estimate_memory(
     default for backward traces, whose saved tensors are released as they are consumed), and
     otherwise held by the caller until the end; storages named in ``held`` (parameters, which the
     module keeps) are never freed. Anything the return statement reads stays live.
+    ``known_storages`` gives inputs the storage the trace cannot see, as (the input that names it,
+    its bytes): a backward receives saved views whose storages the forward allocated.
     """
+    known_storages = known_storages or {}
     if inputs_freed is None:
         inputs_freed = TraceTag.BACKWARD in trace.tags
     bsyms = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
-    infos = storage_roots(trace, bsyms)
+    infos = storage_roots(trace, bsyms, {name: storage for name, (storage, _) in known_storages.items()})
     last = _last_uses(bsyms, infos)
     storage_bytes = {i.storage: infos[i.storage].nbytes for i in infos.values()}
+    storage_bytes.update(known_storages.values())
     input_storages = {i.storage for i in infos.values() if i.producer_index is None}
     returned = {infos[p.name].storage for p in (bsyms[-1].flat_proxy_args if bsyms else ())
                 if getattr(p, "name", None) in infos} if bsyms and bsyms[-1].sym.id == prims.PrimIDs.RETURN else set()
@@ -480,14 +530,28 @@ def estimate_step(forward_trace: TraceCtx, backward_trace: TraceCtx) -> StepEsti
     """
     fw = estimate_memory(forward_trace, inputs_freed=False)
     saved = saved_for_backward(forward_trace)
-    params = {t.storage for t in saved.tensors if t.is_parameter}
-    bw = estimate_memory(backward_trace, inputs_freed=True, held=params)
+    storages = _saved_storages(saved, backward_trace)
+    params = {storages[t.name][0] for t in saved.tensors if t.is_parameter and t.name in storages}
+    bw = estimate_memory(backward_trace, inputs_freed=True, held=params, known_storages=storages)
     fw_peak = fw.peak_bytes - fw.input_bytes
     # The backward's inputs include saved parameters, which are not the step's allocation.
     bw_peak = bw.peak_bytes - saved.parameter_bytes
     if bw_peak > fw_peak:
         return StepEstimate(fw, bw, saved, bw_peak, "backward")
     return StepEstimate(fw, bw, saved, fw_peak, "forward")
+
+
+def _saved_storages(saved: SavedInventory, backward_trace: TraceCtx) -> dict[str, tuple[str, int]]:
+    """The forward storage of each saved tensor the backward receives, named by one of the saved
+    tensors in it, with its bytes: a saved slice keeps its whole base alive, a saved expand only
+    the small tensor it expands, and a tensor saved with its view is one storage."""
+    received = {name for name, info in storage_roots(backward_trace).items() if info.producer_index is None}
+    named_by = {t.storage: t.storage for t in saved.tensors if t.storage in received}
+    storages = {}
+    for t in saved.tensors:
+        if t.name in received:
+            storages[t.name] = (named_by.setdefault(t.storage, t.name), t.storage_nbytes)
+    return storages
 
 
 def strip_deletions(trace: TraceCtx) -> TraceCtx:

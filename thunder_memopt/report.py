@@ -1,5 +1,5 @@
 """The memory report: what a litgpt model saves for backward under plain Thunder and with
-MemoryOptimization, and the estimated (and on a GPU, measured) peak of a training step.
+MemoryOptimization, and the estimated and measured peak of a training step.
 
 Saved bytes per layer come from the marginal between two layer counts, so that the embedding and
 the head do not distort them, and are also given in h-bytes per token per layer: bytes divided by
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import thunder
 import torch
 
-from thunder_memopt.measure import measure_saved
+from thunder_memopt.measure import measure_saved, peak_live_bytes
 from thunder_memopt.memory import SavedInventory, estimate_step, saved_for_backward
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 from thunder_memopt.transform import MemoryOptimization
@@ -39,7 +39,7 @@ class Column:
     inventory: SavedInventory  # at the larger layer count
     estimated_peak: int  # forward + backward, activations and gradients, larger layer count
     peak_phase: str
-    measured_peak: int | None  # CUDA max_memory_allocated minus memory before the step
+    measured_peak: int  # above what was alive before the step: CUDA max allocated, or live tensor bytes on CPU
     compile_seconds: float
     schedule: tuple  # thunder_memopt.schedule.ScheduleResult of the forward and backward, if it ran
 
@@ -82,11 +82,12 @@ def measure_column(name: str, args: argparse.Namespace, transforms_factory, laye
     )
 
 
-def _measured_peak(model, jitted, x, y, device: torch.device) -> int | None:
-    """CUDA peak of one more forward+backward, above what was allocated before it."""
-    if device.type != "cuda":
-        return None
+def _measured_peak(model, jitted, x, y, device: torch.device) -> int:
+    """Peak of one more forward+backward above what was alive before it: the CUDA allocator's on a
+    GPU, the profiler's live tensor bytes on CPU."""
     model.zero_grad(set_to_none=True)
+    if device.type != "cuda":
+        return peak_live_bytes(lambda: jitted(x, y).backward())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -113,9 +114,7 @@ def _train_a_few_steps(args: argparse.Namespace) -> None:
         print(f"  step {step + 1}/{args.train_steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.1f} s)", flush=True)
 
 
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
+def _fmt_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
 
 
@@ -135,7 +134,7 @@ def format_report(args: argparse.Namespace, columns: Sequence[Column], layer_cou
         "| estimated peak, forward+backward | "
         + " | ".join(f"{_fmt_bytes(c.estimated_peak)} ({c.peak_phase})" for c in columns)
         + " |",
-        "| measured peak (CUDA max allocated above the step's start) | " + " | ".join(_fmt_bytes(c.measured_peak) for c in columns) + " |",
+        "| measured peak above the step's start (CUDA: max allocated; CPU: live tensor bytes) | " + " | ".join(_fmt_bytes(c.measured_peak) for c in columns) + " |",
         "| first call (compile + step) | " + " | ".join(f"{c.compile_seconds:.1f} s" for c in columns) + " |",
     ]
     for c in columns:

@@ -16,43 +16,25 @@ benchmark's FSDP2 path), for each way of computing the loss, in those units:
   (``.float()`` first for fp32), as a litgpt-style loop does;
 * outside litgpt chunked: litgpt's ``chunked_cross_entropy`` (chunks of 128 tokens) on held logits.
 
-Live bytes come from torch.profiler's memory timeline (tensor creations and destructions), so they
-leave out allocator rounding and caching; only the differences between the variants are read.
+Live bytes come from torch.profiler's memory timeline (thunder_memopt.measure.peak_live_bytes,
+above what is alive before the step), so they leave out allocator rounding and caching; only the
+differences between the variants are read.
 """
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from thunder_memopt.measure import peak_live_bytes  # noqa: E402
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch  # noqa: E402
 
 MODEL, VOCAB, SEQ_LEN, N_EMBD = "stablecode-completion-alpha-3b", 49152, 2048, 256
 MIB = 2**20
 BACKENDS = ("eager", "thunder", "ThunderCompiler")  # inductor on CPU fails to compile this bf16 graph (a C++ codegen error)
-
-
-def peak_live_bytes(step) -> int:
-    """The most tensor bytes alive at once while ``step`` runs (those alive before it included)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
-            step()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action in (Action.PREEXISTING, Action.CREATE):
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    return peak
 
 
 def compiled(module: torch.nn.Module, backend: str):
@@ -77,7 +59,7 @@ def main() -> None:
     unit = SEQ_LEN * VOCAB * 2
     print(f"{MODEL}, 1 layer, n_embd {N_EMBD}, vocab {VOCAB}, T={SEQ_LEN}, bf16, on CPU; "
           f"unit = T x vocab x 2 bytes = {unit / MIB:.0f} MiB\n")
-    print("| backend | loss | peak live MiB | above in-graph bf16, in units |\n|---|---|---|---|")
+    print("| backend | loss | peak live MiB above the step's start | above in-graph bf16, in units |\n|---|---|---|---|")
     for backend in BACKENDS:
         model = compiled(gpt, backend)
 
