@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import os
 import warnings
 
 import torch
@@ -55,6 +56,9 @@ def peak_live_bytes(step: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
+    if not torch.cuda.is_available():
+        # Else the profiler's first use logs an ERROR that it found no GPU, which is expected here.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the profiler's notes on missing CUDA and event cycles
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
