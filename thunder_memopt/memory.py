@@ -57,6 +57,7 @@ _BOOKKEEPING_IDS = {
     prims.PrimIDs.UNPACK_EMPTY_DICT,
     prims.PrimIDs.DEL,
 }
+_UNPACK_IDS = (prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.UNPACK_TRIVIAL)
 _DELETION_NAMES = {"python_del", "del", "clear_mutable_collection"}
 
 # In-place ops return (an alias of) the argument at this position.
@@ -246,6 +247,14 @@ def trace_inputs(trace: TraceCtx) -> list[TensorProxy]:
     return [a for a in flat if isinstance(a, TensorProxy)]
 
 
+def received_tensors(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None) -> list[TensorProxy]:
+    """The tensors a trace receives: its arguments and, in a backward trace, the saved tensors that
+    its unpacking introduces."""
+    bsyms = trace.bound_symbols if bsyms is None else bsyms
+    unpacked = [o for b in bsyms if b.sym.id in _UNPACK_IDS for o in tensor_outs(b)]
+    return trace_inputs(trace) + unpacked
+
+
 def storage_roots(
     trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None, shared_inputs: Mapping[str, str] | None = None
 ) -> dict[str, TensorInfo]:
@@ -256,7 +265,6 @@ def storage_roots(
     trace cannot see: a forward that saves a tensor and a view of it hands the backward both.
     """
     shared_inputs = shared_inputs or {}
-    inputs = trace_inputs(trace)
     bsyms = trace.bound_symbols if bsyms is None else bsyms
     infos: dict[str, TensorInfo] = {}
     strides: dict[str, Strides] = {}
@@ -276,14 +284,10 @@ def storage_roots(
         )
         strides.setdefault(t.name, contiguous_strides(t.shape))
 
-    for t in inputs:
+    for t in received_tensors(trace, bsyms):
         add(t, shared_inputs.get(t.name, t.name), None, None)
     for i, bsym in enumerate(bsyms):
         if is_bookkeeping(bsym):
-            # Unpacking in a backward trace introduces the saved tensors: they are inputs.
-            if bsym.sym.id in (prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.UNPACK_TRIVIAL):
-                for o in tensor_outs(bsym):
-                    add(o, shared_inputs.get(o.name, o.name), None, None)
             continue
         if bsym.sym.name == "update_aliases":
             # Thunder's marker after an in-place op: each output is its input, renamed.
@@ -545,7 +549,7 @@ def _saved_storages(saved: SavedInventory, backward_trace: TraceCtx) -> dict[str
     """The forward storage of each saved tensor the backward receives, named by one of the saved
     tensors in it, with its bytes: a saved slice keeps its whole base alive, a saved expand only
     the small tensor it expands, and a tensor saved with its view is one storage."""
-    received = {name for name, info in storage_roots(backward_trace).items() if info.producer_index is None}
+    received = {t.name for t in received_tensors(backward_trace)}
     named_by = {t.storage: t.storage for t in saved.tensors if t.storage in received}
     storages = {}
     for t in saved.tensors:
