@@ -57,6 +57,19 @@ def measured_rows(rows: list[dict]) -> list[dict]:
     return [row for row in rows if row.get("row_type") == "run" and not row.get("search")]
 
 
+def search_results(rows: list[dict]) -> list[dict]:
+    """The --find-max-block-size summaries, one per backend and budget searched."""
+    return [row for row in rows if row.get("row_type") == "max_block_size"]
+
+
+def by_config(rows: list[dict]) -> list[list[dict]]:
+    """The measured rows grouped by configuration (model, width, sharding, ranks, GPU), in file order."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in measured_rows(rows):
+        groups.setdefault(config_of(row), []).append(row)
+    return list(groups.values())
+
+
 def config_of(row: dict, *, with_block_size: bool = False) -> tuple:
     fields = CONFIG_FIELDS + ("block_size",) if with_block_size else CONFIG_FIELDS
     return tuple(row.get(field, FIELD_DEFAULTS.get(field)) for field in fields)
@@ -137,12 +150,9 @@ def table(columns: list[tuple[str, Callable[[dict], str]]], rows: list[dict]) ->
 
 def markdown(rows: list[dict]) -> str:
     """One table per configuration, rows by block size in file order, then the search results."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in measured_rows(rows):
-        groups.setdefault(config_of(row), []).append(row)
     sections = [f"#### {heading(group[0])}\n\n" + table(RUN_COLUMNS, sorted(group, key=lambda r: r["block_size"]))
-                for group in groups.values()]
-    searches = [row for row in rows if row.get("row_type") == "max_block_size"]
+                for group in by_config(rows)]
+    searches = search_results(rows)
     if searches:
         sections.append("#### Longest sequence that fits\n\n" + table(SEARCH_COLUMNS, searches))
     return "\n\n".join(sections)
@@ -151,11 +161,8 @@ def markdown(rows: list[dict]) -> str:
 def summary(rows: list[dict]) -> str:
     """One row per backend and one column per block size, each cell the peak (max over ranks) and
     the step time: the short form of markdown(), per configuration."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in measured_rows(rows):
-        groups.setdefault(config_of(row), []).append(row)
     sections = []
-    for group in groups.values():
+    for group in by_config(rows):
         block_sizes = sorted({row["block_size"] for row in group})
         cells = {(backend_label(row), row["block_size"]): row for row in group}
         columns = [("backend", lambda label: label)] + [
@@ -298,18 +305,18 @@ def plot_search(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     probes = [row for row in rows if row.get("row_type") == "run" and row.get("search")]
     figure, axis = plt.subplots(figsize=(10, 5))
-    for index, summary in enumerate(row for row in rows if row.get("row_type") == "max_block_size"):
-        label, colour = backend_label(summary), f"C{index}"
+    for index, result in enumerate(search_results(rows)):
+        label, colour = backend_label(result), f"C{index}"
         mine = sorted((row for row in probes if backend_label(row) == label), key=lambda row: row["block_size"])
         fitting = [row for row in mine if row["status"] == "ok" and row.get("peak_reserved_max") is not None]
         axis.plot([row["block_size"] for row in fitting], [row["peak_reserved_max"] / GIB for row in fitting],
-                  marker="o", color=colour, label=f"{label}: longest T {summary['max_block_size']}")
+                  marker="o", color=colour, label=f"{label}: longest T {result['max_block_size']}")
         for row in mine:
             if row["status"] != "ok":
                 axis.plot(row["block_size"], fitting[-1]["peak_reserved_max"] / GIB if fitting else 0,
                           marker="x", color=colour, markersize=9)
-        if summary["max_block_size"] is not None:
-            axis.axvline(summary["max_block_size"], color=colour, linestyle=":")
+        if result["max_block_size"] is not None:
+            axis.axvline(result["max_block_size"], color=colour, linestyle=":")
     reservable = [row["reservable_bytes"] for row in probes if row.get("reservable_bytes")]
     if reservable:
         axis.axhline(min(reservable) / GIB, color="grey", linestyle="--", label="reservable (free + held)")
@@ -334,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     print(summary(rows) if args.summary else markdown(rows))
     if args.plot is not None and measured_rows(rows):
         plot(rows, args.plot)
-    elif args.plot is not None and any(row.get("row_type") == "max_block_size" for row in rows):
+    elif args.plot is not None and search_results(rows):
         plot_search(rows, args.plot)
 
 

@@ -116,6 +116,14 @@ def test_search_doubles_then_bisects(largest_fitting, start, expected):
     assert len(probed) <= 12
 
 
+def _stablecode_trial(**fields) -> benchmark_fsdp2.Trial:
+    """A trial of the real stablecode width under FSDP2 on 2 ranks; ``fields`` override."""
+    defaults = dict(model="stablecode-completion-alpha-3b", n_layer=8, n_embd=2560, narrowed=False, block_size=8192,
+                    micro_batch_size=1, dtype="bfloat16", distributed_mode="fsdp2", shard_mode="zero2", world_size=2,
+                    backend="eager", budget=None, warmup=2, iters=5, seed=0)
+    return benchmark_fsdp2.Trial(**{**defaults, **fields})
+
+
 class _LinearMemoryDriver:
     """Stands in for the benchmark's driver: a probe's peak reserved memory is linear in T, and it
     runs out of memory ``fragmentation`` bytes before the allocator's capacity."""
@@ -151,10 +159,7 @@ def test_search_aims_at_where_the_peak_reaches_capacity(fragmentation, most_prob
     failed guess still beats bisection; if far earlier, the answer is still exact, at 4 probes more."""
     args = argparse.Namespace(compile=["thunder+memopt"], block_size=[16384], search_granularity=1024,
                               search_limit=1 << 20, memopt_budget=[1.0], inductor_budget=[0.5])
-    template = benchmark_fsdp2.Trial(
-        model="stablecode-completion-alpha-3b", n_layer=32, n_embd=2560, narrowed=False, block_size=16384,
-        micro_batch_size=1, dtype="bfloat16", distributed_mode="fsdp2", shard_mode="zero2", world_size=2,
-        backend="thunder+memopt", budget=None, warmup=1, iters=1, seed=0)
+    template = _stablecode_trial(n_layer=32, block_size=16384, backend="thunder+memopt", warmup=1, iters=1)
     aimed, bisected = _LinearMemoryDriver(fragmentation, True), _LinearMemoryDriver(fragmentation, False)
     for driver in (aimed, bisected):
         benchmark_fsdp2.search(driver, args, template)
@@ -208,7 +213,7 @@ def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
     plot_path = tmp_path / "search.png"
     make_table.main([str(results), "--plot", str(plot_path)])
     table = capsys.readouterr().out
-    summaries = [row for row in make_table.load_rows([results]) if row["row_type"] == "max_block_size"]
+    summaries = make_table.search_results(make_table.load_rows([results]))
     assert table.startswith("#### Longest sequence that fits")
     assert table.count("\n| stablecode") == len(summaries) == 3
     assert plot_path.stat().st_size > 0
@@ -218,10 +223,7 @@ def test_resume_takes_rows_written_before_later_options():
     """--resume on the committed files must not measure again an eager row written before --autocast
     and --memopt-fuse-replays existed, but must measure again a thunder+memopt row of that time,
     whose replays ran unfused."""
-    trial = benchmark_fsdp2.Trial(
-        model="stablecode-completion-alpha-3b", n_layer=8, n_embd=2560, narrowed=False, block_size=8192,
-        micro_batch_size=1, dtype="bfloat16", distributed_mode="fsdp2", shard_mode="zero2", world_size=2,
-        backend="eager", budget=None, warmup=2, iters=5, seed=0)
+    trial = _stablecode_trial()
     memopt = dataclasses.replace(trial, backend="thunder+memopt", budget=1.0)
     before_options = {"row_type": "run", **trial.resume_key()}
     for added_later in ("autocast", "fuse_replays"):
@@ -245,10 +247,8 @@ def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
 
     config = narrow_config("stablecode-completion-alpha-3b", n_layer=1, n_embd=128, block_size=64)
     input_ids, targets = random_batch(config, batch_size=1, seq_len=64)
-    trial = benchmark_fsdp2.Trial(
-        model="stablecode-completion-alpha-3b", n_layer=1, n_embd=128, narrowed=True, block_size=64,
-        micro_batch_size=1, dtype="bfloat16", distributed_mode="none", shard_mode="zero2", world_size=1,
-        backend=backend, budget=None, warmup=1, iters=1, seed=0)
+    trial = _stablecode_trial(n_layer=1, n_embd=128, narrowed=True, block_size=64, distributed_mode="none",
+                              world_size=1, backend=backend, warmup=1, iters=1)
     losses = {}
     for loss_mode in benchmark_fsdp2.LOSS_MODES:
         training = benchmark_fsdp2.prepare_training(build_model(config), dataclasses.replace(trial, loss_mode=loss_mode),
