@@ -289,12 +289,14 @@ def with_loss(compiled: Callable, loss_mode: str) -> Callable[[torch.Tensor, tor
         return compiled
     from litgpt.utils import chunked_cross_entropy
 
+    from thunder_memopt.models import next_token_loss
+
     def forward(input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = compiled(input_ids)
         if loss_mode == "litgpt":
             value = chunked_cross_entropy(logits, targets)
         else:  # outside-fp32
-            value = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            value = next_token_loss(logits, targets, upcast_logits=True)
         value.logits = logits
         return value
 

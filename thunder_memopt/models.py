@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["narrow_config", "build_model", "random_batch", "GPTWithLoss"]
+__all__ = ["narrow_config", "build_model", "random_batch", "GPTWithLoss", "next_token_loss"]
 
 
 def narrow_config(
@@ -86,7 +86,12 @@ class GPTWithLoss(torch.nn.Module):
         self.upcast_logits = upcast_logits
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.gpt(input_ids)
-        if self.upcast_logits:
-            logits = logits.float()
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return next_token_loss(self.gpt(input_ids), targets, upcast_logits=self.upcast_logits)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, *, upcast_logits: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of (batch, T, vocab) logits against (batch, T) targets, on fp32 logits
+    if ``upcast_logits``."""
+    if upcast_logits:
+        logits = logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
