@@ -45,11 +45,11 @@ bench() {
         ${LOG_DIR:+--log-dir "$LOG_DIR"} "$@"
 }
 
-stablecode_8_layers() {  # block size, shard mode, then more options
-    local block_size=$1 shard_mode=$2
-    shift 2
+stablecode_8_layers() {  # block size, shard mode, setup name in the file (stablecode_8l_NAME_T...), more options
+    local block_size=$1 shard_mode=$2 setup=$3
+    shift 3
     bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size "$block_size" \
-        --shard-mode "$shard_mode" --out "$OUT/stablecode_8l_${shard_mode}_T$block_size.jsonl" "$@"
+        --shard-mode "$shard_mode" --out "$OUT/stablecode_8l_${setup}_T$block_size.jsonl" "$@"
 }
 
 longest_block_size() {  # backend, first block size: two that fit give the search its line to aim with
@@ -67,30 +67,25 @@ tables() {
 }
 
 case "$GROUP" in
-    sc-8k-zero2) stablecode_8_layers 8192 zero2 --compile "${ALL_BACKENDS[@]}" ;;
-    sc-8k-zero3) stablecode_8_layers 8192 zero3 --compile "${ALL_BACKENDS[@]}" ;;
-    sc-16k-zero2) stablecode_8_layers 16384 zero2 --compile "${ALL_BACKENDS[@]}" ;;
-    sc-16k-zero3) stablecode_8_layers 16384 zero3 --compile "${ALL_BACKENDS[@]}" ;;
+    sc-8k-zero2) stablecode_8_layers 8192 zero2 zero2 --compile "${ALL_BACKENDS[@]}" ;;
+    sc-8k-zero3) stablecode_8_layers 8192 zero3 zero3 --compile "${ALL_BACKENDS[@]}" ;;
+    sc-16k-zero2) stablecode_8_layers 16384 zero2 zero2 --compile "${ALL_BACKENDS[@]}" ;;
+    sc-16k-zero3) stablecode_8_layers 16384 zero3 zero3 --compile "${ALL_BACKENDS[@]}" ;;
     llama3-8b)
         bench --model-name Llama-3-8B --n-layer 4 --block-size 8192 --shard-mode zero2 \
             --compile "${ALL_BACKENDS[@]}" --out "$OUT/llama3_8b_4l_zero2_T8192.jsonl" ;;
     maxT-inductor) longest_block_size inductor 16384 ;;
     maxT-thunder) longest_block_size thunder 4096 ;;  # plain Thunder saves ~3x what inductor does: start low
     maxT-memopt) longest_block_size thunder+memopt 16384 ;;
-    reference-loss)
-        bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode zero2 \
-            --loss-mode outside-fp32 --compile eager inductor thunder thunder+memopt \
-            --out "$OUT/stablecode_8l_zero2_T8192_loss_outside_fp32.jsonl" ;;
-    memopt-budgets) stablecode_8_layers 16384 zero2 --compile thunder+memopt --memopt-budget 1.0 0.5 0.0 ;;
-    no-schedule) stablecode_8_layers 8192 zero2 --compile thunder+memopt --memopt-passes recompute collectives ;;
-    zero3-autocast)
-        bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode zero3 \
-            --dtype fp32 --autocast --compile thunder thunder+memopt --out "$OUT/stablecode_8l_zero3_autocast_T8192.jsonl" ;;
+    reference-loss) stablecode_8_layers 8192 zero2 zero2_loss_outside_fp32 --loss-mode outside-fp32 \
+        --compile eager inductor thunder thunder+memopt ;;
+    memopt-budgets) stablecode_8_layers 16384 zero2 zero2 --compile thunder+memopt --memopt-budget 1.0 0.5 0.0 ;;
+    no-schedule) stablecode_8_layers 8192 zero2 zero2 --compile thunder+memopt --memopt-passes recompute collectives ;;
+    zero3-autocast) stablecode_8_layers 8192 zero3 zero3_autocast --dtype fp32 --autocast --compile thunder thunder+memopt ;;
     thunder-fsdp)
         for mode in zero2 zero3; do
-            bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode "$mode" \
-                --distributed-mode thunder-fsdp --compile thunder thunder+memopt \
-                --out "$OUT/stablecode_8l_thunder_fsdp_${mode}_T8192.jsonl"
+            stablecode_8_layers 8192 "$mode" "thunder_fsdp_$mode" --distributed-mode thunder-fsdp \
+                --compile thunder thunder+memopt
         done ;;
     single-h200)
         for passes in "recompute collectives schedule" recompute; do
