@@ -656,7 +656,7 @@ def same_measurement(row: dict, key: dict) -> bool:
     the value that rows had before (make_table.FIELD_DEFAULTS); the MemoryOptimization options count
     only for thunder+memopt, so --resume keeps, say, an eager row written before they existed."""
     ignored = () if key.get("backend") == "thunder+memopt" else MEMOPT_ONLY_FIELDS
-    return all(row.get(field, make_table.FIELD_DEFAULTS.get(field)) == value
+    return all(make_table.field_value(row, field) == value
                for field, value in key.items() if field not in ignored)
 
 

@@ -72,7 +72,12 @@ def by_config(rows: list[dict]) -> list[list[dict]]:
 
 def config_of(row: dict, *, with_block_size: bool = False) -> tuple:
     fields = CONFIG_FIELDS + ("block_size",) if with_block_size else CONFIG_FIELDS
-    return tuple(row.get(field, FIELD_DEFAULTS.get(field)) for field in fields)
+    return tuple(field_value(row, field) for field in fields)
+
+
+def field_value(row: dict, field: str):
+    """``row[field]``, or for a row written before the field existed, the value it then had."""
+    return row.get(field, FIELD_DEFAULTS.get(field))
 
 
 def backend_label(row: dict) -> str:
@@ -102,7 +107,7 @@ def sharding_of(row: dict) -> str:
 
 def heading(row: dict) -> str:
     autocast = " + bf16 autocast" if row.get("autocast") else ""
-    loss_mode = row.get("loss_mode", FIELD_DEFAULTS["loss_mode"])
+    loss_mode = field_value(row, "loss_mode")
     loss = "" if loss_mode == FIELD_DEFAULTS["loss_mode"] else f", loss {loss_mode} (after the compiled model)"
     return (f"{row['model']}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "
             f"{row['dtype']}{autocast}{loss}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
@@ -168,10 +173,24 @@ def summary(rows: list[dict]) -> str:
         columns = [("backend", lambda label: label)] + [
             (f"T={block_size}: peak GiB / step ms", lambda label, t=block_size: summary_cell(cells.get((label, t))))
             for block_size in block_sizes]
-        by_label = {backend_label(row): row["backend"] for row in group}
-        labels = sorted(by_label, key=lambda label: BACKENDS.index(by_label[label]))  # stable: file order within
+        by_label = {backend_label(row): row for row in group}
+        labels = sorted(by_label, key=lambda label: summary_order(by_label[label]))  # stable: file order within
         sections.append(f"#### {heading(group[0])}\n\n" + table(columns, labels))
     return "\n\n".join(sections)
+
+
+def summary_order(row: dict) -> tuple:
+    """Backends in BACKENDS order; within one, the default settings first, then budgets falling, then
+    a subset of the passes, then replays unfused."""
+    unfused = replay_fusion(row) not in (None, "auto")
+    budget = row.get("budget")
+    return BACKENDS.index(row["backend"]), unfused, bool(row.get("memopt_passes")), -(1.0 if budget is None else budget)
+
+
+def written_by_current_code(row: dict) -> bool:
+    """False for thunder+memopt rows from before the fuse_replays option: their replays ran unfused,
+    as they no longer do by default, and their budgets below 1 chose plans by an earlier rule."""
+    return row["backend"] != "thunder+memopt" or "fuse_replays" in row
 
 
 def summary_cell(row: dict | None) -> str:
@@ -211,16 +230,16 @@ def describe_row(row: dict) -> str:
 
 
 def varying_fields(rows: list[dict]) -> list[str]:
-    return [field for field in (*CONFIG_FIELDS, "block_size") if len({row.get(field) for row in rows}) > 1]
+    return [field for field in (*CONFIG_FIELDS, "block_size") if len({field_value(row, field) for row in rows}) > 1]
 
 
 def setting_label(row: dict, fields: list[str]) -> str:
-    return " ".join(f"{SETTING_NAMES[field]}{row.get(field)}" for field in fields)
+    return " ".join(f"{SETTING_NAMES[field]}{field_value(row, field)}" for field in fields)
 
 
 def bar_panel(axis, rows: list[dict], value: Callable[[dict], float | None], ylabel: str) -> None:
     """Bars per backend label, one per setting (what else varies between the rows); OOM rows marked."""
-    labels = list(dict.fromkeys(backend_label(row) for row in rows))
+    labels = list(dict.fromkeys(backend_label(row) for row in sorted(rows, key=summary_order)))
     fields = varying_fields(rows)
     settings = list(dict.fromkeys(setting_label(row, fields) for row in rows))
     width = 0.8 / len(settings)
@@ -251,7 +270,7 @@ def block_size_panel(axis, rows: list[dict]) -> None:
     """Peak allocated memory against block size: a colour per backend label, a line style per setting."""
     fields = [field for field in varying_fields(rows) if field != "block_size"]
     measured = [row for row in rows if row["status"] == "ok" and row.get("peak_alloc_max") is not None]
-    labels = list(dict.fromkeys(backend_label(row) for row in measured))
+    labels = list(dict.fromkeys(backend_label(row) for row in sorted(measured, key=summary_order)))
     settings = list(dict.fromkeys(setting_label(row, fields) for row in measured))
     for label_index, label in enumerate(labels):
         for setting_index, setting in enumerate(settings):
@@ -336,8 +355,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="also write this PNG")
     parser.add_argument("--summary", action="store_true",
                         help="one row per backend, a column per block size: peak GiB / step ms")
+    parser.add_argument("--latest-code", action="store_true",
+                        help="leave out thunder+memopt rows written before the fuse_replays option (unfused replays)")
     args = parser.parse_args(argv)
     rows = latest(load_rows(args.results))
+    if args.latest_code:
+        rows = [row for row in rows if written_by_current_code(row)]
     print(summary(rows) if args.summary else markdown(rows))
     if args.plot is not None and measured_rows(rows):
         plot(rows, args.plot)

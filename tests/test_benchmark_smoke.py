@@ -272,3 +272,24 @@ def test_summary_has_a_row_per_backend_and_a_column_per_block_size():
     lines = make_table.summary(rows).splitlines()
     assert lines[2:] == ["| backend | T=128: peak GiB / step ms | T=256: peak GiB / step ms |", "|---|---|---|",
                          "| eager | 1.00 / 10 | OOM |", "| thunder | 3.00 / 20 | – |"]
+
+
+def test_summary_puts_defaults_first_and_latest_code_leaves_out_unfused_rows(tmp_path, capsys):
+    """Within a backend the summary lists the default settings, then budgets falling; --latest-code
+    drops thunder+memopt rows from before fuse_replays existed, and the plot does not split rows
+    written before a field existed from rows that hold its old value."""
+    row = {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 256, "status": "ok", "world_size": 2, "gpu": "g",
+           "dtype": "bfloat16", "micro_batch_size": 1, "distributed_mode": "fsdp2", "shard_mode": "zero2",
+           "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}
+    memopt = {**row, "backend": "thunder+memopt", "fuse_replays": "auto", "autocast": False}
+    rows = [{**row, "backend": "thunder+memopt", "budget": 1.0},  # first session: no fuse_replays, no autocast
+            {**memopt, "budget": 0.0}, {**memopt, "budget": 1.0, "memopt_passes": ["recompute"]},
+            {**memopt, "budget": 0.5}, {**memopt, "budget": 1.0}, {**row, "backend": "thunder", "budget": None}]
+    results = tmp_path / "rows.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    labels = [line.split(" | ")[0] for line in make_table.summary(rows).splitlines()[4:]]
+    assert labels == ["| thunder", "| thunder+memopt @1", "| thunder+memopt @0.5", "| thunder+memopt @0",
+                      "| thunder+memopt @1 [recompute]", "| thunder+memopt @1 [unfused replays]"]
+    make_table.main([str(results), "--summary", "--latest-code", "--plot", str(tmp_path / "plot.png")])
+    assert "unfused" not in capsys.readouterr().out
+    assert make_table.varying_fields(rows) == []
