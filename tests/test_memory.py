@@ -4,6 +4,7 @@ import pytest
 import torch
 from _train import train_step
 
+from thunder_memopt.measure import cross_entropy_compiled_as_on_gpu
 from thunder_memopt.memory import _reshape_strides, contiguous_strides, estimate_memory, estimate_step, saved_for_backward
 
 
@@ -63,14 +64,9 @@ def test_liveness_peak_is_where_outputs_meet_live_inputs():
 
 
 @pytest.fixture
-def cross_entropy_compiled_on_cpu(monkeypatch):
-    """Let Thunder's torchcompile_xentropy executor claim the cross-entropy on CPU, as it does on a
-    GPU: a torch.compile region whose outputs alias (the logits' gradient and a reshape of it)."""
-    from thunder.executors.torch_compile import torch_compile_xentropy_ex
-    from thunder.extend import ImplInfo
-
-    for op in list(torch_compile_xentropy_ex._implmap):
-        monkeypatch.setitem(torch_compile_xentropy_ex._implmap, op, ImplInfo(checker=lambda *args, **kwargs: True))
+def cross_entropy_compiled_on_cpu():
+    with cross_entropy_compiled_as_on_gpu():
+        yield
 
 
 @pytest.mark.parametrize("cross_entropy", ["eager", "torch.compile region"])

@@ -6,19 +6,23 @@ by storage and the module's parameters excluded, which is the quantity the memor
 
 ``peak_live_bytes``: the peak of live tensor bytes of a step from torch.profiler's memory timeline,
 which also works on CPU, where there is no CUDA allocator to ask.
+
+``cross_entropy_compiled_as_on_gpu``: on CPU, Thunder leaves the cross-entropy to its decomposition;
+on a GPU its torchcompile_xentropy executor claims it. Within this context it claims it on CPU too,
+so that CPU runs see the GPU's trace around the loss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-
+import contextlib
 import os
 import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SavedMeasurement", "measure_saved", "peak_live_bytes"]
+__all__ = ["SavedMeasurement", "cross_entropy_compiled_as_on_gpu", "measure_saved", "peak_live_bytes"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,22 @@ def peak_live_bytes(step: Callable[[], object]) -> int:
             live -= nbytes
         peak = max(peak, live)
     return peak - before
+
+
+@contextlib.contextmanager
+def cross_entropy_compiled_as_on_gpu() -> Iterator[None]:
+    """Let Thunder's torchcompile_xentropy executor claim the cross-entropy whatever the device, as
+    it does on a GPU: one torch.compile region whose outputs alias (the logits' gradient and a
+    reshape of it). Its checkers are restored on exit."""
+    from thunder.executors.torch_compile import torch_compile_xentropy_ex
+    from thunder.extend import ImplInfo
+
+    implmap = torch_compile_xentropy_ex._implmap
+    saved = dict(implmap)
+    try:
+        for op in saved:
+            implmap[op] = ImplInfo(checker=lambda *args, **kwargs: True)
+        yield
+    finally:
+        implmap.clear()
+        implmap.update(saved)
