@@ -18,8 +18,9 @@
 #   maxT-inductor maxT-thunder maxT-memopt
 #                   longest T that fits: stablecode, 32 layers, zero2 (doubling from 16384, 4096 for thunder,
 #                   then narrowing to 1024)
-#   reference-loss  the loss after the compiled model on fp32 logits (--loss-mode outside-fp32): eager, inductor
-#                   and thunder, stablecode 8 layers, T=8192, zero2; tests what the reference peaks ran
+#   reference-loss  the loss after the compiled model on fp32 logits (--loss-mode outside-fp32), every backend,
+#                   stablecode 8 layers, T=8192, zero2: how the reference points were measured
+#   sc-8k-budgets   thunder+memopt at budgets 0.75, 0.5, 0.25 and 0.0, stablecode 8 layers, T=8192, zero2
 #   memopt-budgets  optional: thunder+memopt at budgets 1.0, 0.5 and 0.0, stablecode 8 layers, T=16384, zero2
 #   no-schedule     thunder+memopt without the schedule pass, stablecode 8 layers, T=8192, zero2
 #   zero3-autocast  thunder and thunder+memopt, fp32 parameters under bf16 autocast, FSDP2 zero3, T=8192
@@ -78,7 +79,11 @@ case "$GROUP" in
     maxT-thunder) longest_block_size thunder 4096 ;;  # plain Thunder saves ~3x what inductor does: start low
     maxT-memopt) longest_block_size thunder+memopt 16384 ;;
     reference-loss) stablecode_8_layers 8192 zero2 zero2_loss_outside_fp32 --loss-mode outside-fp32 \
-        --compile eager inductor thunder thunder+memopt ;;
+        --compile "${ALL_BACKENDS[@]}" ;;
+    sc-8k-budgets)
+        bench --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode zero2 \
+            --compile thunder+memopt --memopt-budget 0.75 0.5 0.25 0.0 \
+            --out "$OUT/stablecode_8l_zero2_T8192_budgets.jsonl" ;;
     memopt-budgets) stablecode_8_layers 16384 zero2 zero2 --compile thunder+memopt --memopt-budget 1.0 0.5 0.0 ;;
     no-schedule) stablecode_8_layers 8192 zero2 zero2 --compile thunder+memopt --memopt-passes recompute collectives ;;
     zero3-autocast) stablecode_8_layers 8192 zero3 zero3_autocast --dtype fp32 --autocast --compile thunder thunder+memopt ;;
