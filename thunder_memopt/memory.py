@@ -44,6 +44,7 @@ __all__ = [
     "estimate_memory",
     "saved_for_backward",
     "estimate_step",
+    "backward_storages",
     "strip_deletions",
     "is_bookkeeping",
 ]
@@ -543,6 +544,12 @@ def estimate_step(forward_trace: TraceCtx, backward_trace: TraceCtx) -> StepEsti
     if bw_peak > fw_peak:
         return StepEstimate(fw, bw, saved, bw_peak, "backward")
     return StepEstimate(fw, bw, saved, fw_peak, "forward")
+
+
+def backward_storages(forward_trace: TraceCtx, backward_trace: TraceCtx) -> dict[str, tuple[str, int]]:
+    """For ``estimate_memory(backward_trace, known_storages=...)``: the forward storage of each
+    saved tensor the backward receives (see ``_saved_storages``)."""
+    return _saved_storages(saved_for_backward(forward_trace), backward_trace)
 
 
 def _saved_storages(saved: SavedInventory, backward_trace: TraceCtx) -> dict[str, tuple[str, int]]:

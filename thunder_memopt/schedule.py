@@ -16,7 +16,9 @@ The pass works on an executed forward, backward or inference trace, in the style
    bit-identical), for collectives (fixed points: the collectives pass placed them for overlap and
    for memory, and no op crosses one) and for unpacking (first) and the return (last);
 2. price an order with the shared memory model (``thunder_memopt.memory``: storages, not proxies;
-   a view keeps its base alive), re-implemented over integer ids so that one order costs O(n);
+   a view keeps its base alive; in a backward, the saved tensors live in the forward's storages,
+   so a tensor saved with its view is freed once both are read), re-implemented over integer ids
+   so that one order costs O(n);
 3. take the best of a few whole-trace orders, the input order and inductor's DFS (its LPMF and BFS
    only ever raised the peak on these traces), then improve it by a peak-directed local search:
    at the peak, postpone a whole independent branch that allocated a live tensor past the peak, or
@@ -36,7 +38,7 @@ that estimate before and after, and where the new peak sits.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from thunder.core import prims
@@ -171,8 +173,9 @@ def _split(bsyms: Sequence[BoundSymbol]):
 class _Storages:
     """Integer ids for the storages of a trace, and alias classes for write ordering."""
 
-    def __init__(self, infos: dict[str, TensorInfo]) -> None:
+    def __init__(self, infos: dict[str, TensorInfo], known_bytes: Mapping[str, int]) -> None:
         self.infos = infos
+        self.known_bytes = known_bytes  # storages the trace receives but cannot see the size of
         self.ids: dict[str, int] = {}
         self.nbytes: list[int] = []
         self.parent: list[int] = []
@@ -182,7 +185,7 @@ class _Storages:
         sid = self.ids.get(root)
         if sid is None:
             sid = self.ids[root] = len(self.nbytes)
-            self.nbytes.append(self.infos[root].nbytes)
+            self.nbytes.append(self.known_bytes.get(root, self.infos[root].nbytes))
             self.parent.append(sid)
         return sid
 
@@ -247,12 +250,18 @@ def _write_edges(
         preds[v].discard(v)
 
 
-def build_graph(trace: TraceCtx) -> ScheduleGraph:
-    """The dependency graph and storages of an execution trace (see the module docstring)."""
+def build_graph(trace: TraceCtx, known_storages: Mapping[str, tuple[str, int]] | None = None) -> ScheduleGraph:
+    """The dependency graph and storages of an execution trace (see the module docstring).
+
+    ``known_storages`` is ``memory.estimate_memory``'s: for a backward, the forward storage of each
+    saved tensor (``memory.backward_storages``), so that a tensor saved with its view is one storage.
+    """
+    known_storages = known_storages or {}
     is_backward = TraceTag.BACKWARD in trace.tags
     bsyms = strip_deletions(trace).bound_symbols
     head, nodes, tail = _split(bsyms)
-    storages = _Storages(storage_roots(trace, bsyms))
+    shared = {name: storage for name, (storage, _) in known_storages.items()}
+    storages = _Storages(storage_roots(trace, bsyms, shared), dict(known_storages.values()))
     inputs = {i.storage for i in storages.infos.values() if i.producer_index is None}
     for name in inputs:
         storages.of(name)
@@ -557,10 +566,11 @@ def _best_order(g: ScheduleGraph) -> tuple[str, Order]:
     return method, order
 
 
-def schedule_trace(trace: TraceCtx) -> ScheduleResult:
-    """Reorder an execution trace to lower its peak of live bytes (see the module docstring)."""
+def schedule_trace(trace: TraceCtx, known_storages: Mapping[str, tuple[str, int]] | None = None) -> ScheduleResult:
+    """Reorder an execution trace to lower its peak of live bytes (see the module docstring).
+    ``known_storages``: as for ``build_graph``."""
     start = time.perf_counter()
-    g = build_graph(trace)
+    g = build_graph(trace, known_storages)
     method, order = _best_order(g)
     before = simulate(g, range(len(g.nodes)), estimate=True)[0]
     peak, k = simulate(g, order, estimate=True)

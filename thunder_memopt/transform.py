@@ -32,7 +32,7 @@ from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
 from thunder_memopt import collectives, fuse, recompute, schedule
-from thunder_memopt.memory import tensor_outs
+from thunder_memopt.memory import backward_storages, tensor_outs
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
@@ -98,6 +98,7 @@ class MemoryOptimization(Transform):
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
         self._pending: _Pending | None = None
+        self._forward_returned: TraceCtx | None = None  # priced with the backward that follows it
         self._collectives = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
         self.schedule_results: list[schedule.ScheduleResult] = []
         # Seconds spent in each pass over every trace this instance has seen (compile-time cost).
@@ -135,6 +136,7 @@ class MemoryOptimization(Transform):
         out = self._after_recompute_forward(recomputed)
         if plans is not None:
             self._pending = _Pending(original=trace, plans=plans, returned=out)
+        self._forward_returned = out
         return out
 
     def _backward(self, trace: TraceCtx) -> TraceCtx:
@@ -180,13 +182,21 @@ class MemoryOptimization(Transform):
         return self._schedule(self._collectives_forward(trace))
 
     def _after_recompute_backward(self, trace: TraceCtx) -> TraceCtx:
-        return self._schedule(self._collectives_backward(trace))
+        # The forward handed back (its bound symbols replaced if a budget chose another rung)
+        # tells which saved tensors share a storage.
+        forward, self._forward_returned = self._forward_returned, None
+        return self._schedule(self._collectives_backward(trace), forward)
 
-    def _schedule(self, trace: TraceCtx) -> TraceCtx:
+    def _schedule(self, trace: TraceCtx, forward: TraceCtx | None = None) -> TraceCtx:
         if "schedule" not in self.passes:
             return trace
+
+        def scheduled() -> schedule.ScheduleResult:
+            known = None if forward is None else backward_storages(forward, trace)
+            return schedule.schedule_trace(trace, known)
+
         # Reordering keeps a trace's inputs and outputs, so either trace of a pair may fall back.
-        result = self._guarded("schedule", "this trace unchanged", lambda: schedule.schedule_trace(trace))
+        result = self._guarded("schedule", "this trace unchanged", scheduled)
         if result is None:
             return trace
         self.schedule_results.append(result)
