@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -565,6 +566,18 @@ def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def git_tree_hash(directory: Path) -> str:
+    """The git tree object id of a flat directory of .py files, computed from the files themselves:
+    ``git rev-parse COMMIT:thunder_memopt`` names the commit whose package a row ran, even where the
+    copy that ran it has stale or no git metadata."""
+    entries = b""
+    for path in sorted(directory.glob("*.py"), key=lambda p: p.name.encode()):
+        content = path.read_bytes()
+        blob = hashlib.sha1(b"blob %d\0" % len(content) + content).digest()
+        entries += b"100644 " + path.name.encode() + b"\0" + blob
+    return hashlib.sha1(b"tree %d\0" % len(entries) + entries).hexdigest()
+
+
 def describe_environment() -> dict:
     probe = subprocess.run([sys.executable, "-c", ENVIRONMENT_PROBE], capture_output=True, text=True, check=True)
     found = json.loads(probe.stdout.strip().splitlines()[-1])
@@ -577,6 +590,7 @@ def describe_environment() -> dict:
         "thunder": importlib.metadata.version("lightning-thunder"),
         "litgpt": importlib.metadata.version("litgpt"),
         "memopt_commit": commit.stdout.strip() or None,
+        "memopt_tree": git_tree_hash(repo / "thunder_memopt"),
     }
 
 

@@ -26,7 +26,7 @@ import make_table  # noqa: E402
 SMOKE_BACKENDS = ("eager", "thunder", "thunder+memopt")
 REQUIRED_KEYS = {
     "backend", "budget", "model", "n_layer", "n_embd", "block_size", "micro_batch_size", "distributed_mode",
-    "shard_mode", "world_size", "gpu", "torch", "thunder", "litgpt", "date", "status", "loss", "step_ms",
+    "shard_mode", "world_size", "gpu", "torch", "thunder", "litgpt", "memopt_tree", "date", "status", "loss", "step_ms",
     "tokens_per_s_per_gpu", "first_step_s", "saved_bytes_per_layer", "saved_h_bytes", *benchmark_fsdp2.MEMORY_FIELDS,
 }
 BF16_LOSS_RTOL = 0.02
@@ -293,3 +293,17 @@ def test_summary_puts_defaults_first_and_latest_code_leaves_out_unfused_rows(tmp
     make_table.main([str(results), "--summary", "--latest-code", "--plot", str(tmp_path / "plot.png")])
     assert "unfused" not in capsys.readouterr().out
     assert make_table.varying_fields(rows) == []
+
+
+def test_rows_name_the_package_tree_git_would_give(tmp_path):
+    """memopt_tree is `git rev-parse HEAD:thunder_memopt` of a commit of the package's files, computed
+    without git, so that a row says which code it ran wherever it ran."""
+    package = tmp_path / "thunder_memopt"
+    package.mkdir()
+    for source in (Path(__file__).resolve().parents[1] / "thunder_memopt").glob("*.py"):
+        (package / source.name).write_bytes(source.read_bytes())
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "thunder_memopt"], ["commit", "-q", "-m", "package"]):
+        subprocess.run(git + command, check=True)
+    expected = subprocess.run(git + ["rev-parse", "HEAD:thunder_memopt"], check=True, capture_output=True, text=True)
+    assert benchmark_fsdp2.git_tree_hash(package) == expected.stdout.strip()
