@@ -87,22 +87,23 @@ _EXPENSIVE_NAMES = {
     "conv3d", "scaled_dot_product_attention", "softmax", "_softmax", "log_softmax", "_log_softmax",
     "embedding", "cross_entropy",
 }
-_CHEAP_LEAVES = {
-    # elementwise
+# Leaves (normalized names) of the ops replayed at every budget, in groups that fuse.py reuses.
+ELEMENTWISE_LEAVES = frozenset({
     "add", "sub", "mul", "div", "true_divide", "floor_divide", "neg", "abs", "exp", "exp2", "expm1",
     "log", "log1p", "log2", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "erfc", "sin",
     "cos", "pow", "maximum", "minimum", "clamp", "where", "eq", "ne", "lt", "le", "gt", "ge",
     "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
     "convert_element_type", "sign", "signbit", "fmod", "remainder", "floor", "ceil", "round", "trunc",
     "silu", "gelu", "relu", "tril", "triu", "masked_fill",
-    # views and data movement
+})
+VIEW_LEAVES = frozenset({  # move no data
     "broadcast_in_dim", "reshape", "transpose", "slice", "slice_prim", "squeeze", "shallow_copy",
-    "cat", "pad", "flip", "expand", "unsqueeze", "permute", "split", "contiguous", "clone",
-    # creation without randomness
-    "iota", "full", "full_like", "zeros", "ones", "arange",
-    # reductions used by norms
-    "var_mean", "sum", "amax", "amin", "mean", "var",
-}
+    "expand", "unsqueeze", "permute", "split",
+})
+COPY_LEAVES = frozenset({"cat", "pad", "flip", "contiguous", "clone"})
+CREATION_LEAVES = frozenset({"iota", "full", "full_like", "zeros", "ones", "arange"})  # no randomness
+NORM_REDUCTION_LEAVES = frozenset({"var_mean", "sum", "amax", "amin", "mean", "var"})
+_CHEAP_LEAVES = ELEMENTWISE_LEAVES | VIEW_LEAVES | COPY_LEAVES | CREATION_LEAVES | NORM_REDUCTION_LEAVES
 
 
 def _normalized(name: str) -> str:
