@@ -169,6 +169,8 @@ def _compiled(region: list[BoundSymbol], inputs: list[TensorProxy], outputs: lis
 
 
 def _region_trace(region: list[BoundSymbol], inputs: list[TensorProxy], outputs: list[TensorProxy]) -> TraceCtx:
+    """A trace of the region alone, to compile. Thunder's ``torch_compile.make_compiled`` builds the
+    same trace but compiles it itself, without a way to pass inductor options (EAGER_NUMERICS)."""
     trace = TraceCtx(None)
     trace.args = inputs
     trace.kwargs = {}
