@@ -32,6 +32,7 @@ MISSING = "–"
 NOT_MEASURED = "not measured (no CUDA allocator on CPU)"
 LINE_STYLES = ("-", "--", ":", "-.")
 ERROR_CHARS = 300
+KERNEL_NAME_CHARS = 90  # the profiler's kernel names run to hundreds of characters of templates
 
 
 def load_rows(paths: Iterable[Path]) -> list[dict]:
@@ -154,13 +155,26 @@ def table(columns: list[tuple[str, Callable[[dict], str]]], rows: list[dict]) ->
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per configuration, rows by block size in file order, then the search results."""
+    """One table per configuration, rows by block size in file order, then the --profile tables and
+    the search results."""
     sections = [f"#### {heading(group[0])}\n\n" + table(RUN_COLUMNS, sorted(group, key=lambda r: r["block_size"]))
                 for group in by_config(rows)]
+    sections += [profile_section(row) for row in measured_rows(rows) if row.get("profile") and row["status"] == "ok"]
     searches = search_results(rows)
     if searches:
         sections.append("#### Longest sequence that fits\n\n" + table(SEARCH_COLUMNS, searches))
     return "\n\n".join(sections)
+
+
+def profile_section(row: dict) -> str:
+    """A --profile row's top GPU kernels, per measured step (the profile covers ``iters`` steps)."""
+    profile, steps = row["profile"], row["iters"]
+    kernels = [{"name": name, "ms": ms, "calls": calls} for name, ms, calls in profile["top_gpu_ms"]]
+    columns = [("kernel (top 10 by GPU time)", lambda k: f"`{k['name'][:KERNEL_NAME_CHARS]}`"),
+               ("ms / step", lambda k: f"{k['ms'] / steps:.1f}"),
+               ("calls / step", lambda k: f"{k['calls'] / steps:.0f}")]
+    return (f"##### Profile: {backend_label(row)}, T={row['block_size']}, {row['date'][:16]}: {row['step_ms']:.0f} ms "
+            f"per step, GPU busy {number(profile['gpu_busy_fraction'], '.0%')}\n\n" + table(columns, kernels))
 
 
 def summary(rows: list[dict]) -> str:

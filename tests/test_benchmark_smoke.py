@@ -307,3 +307,16 @@ def test_rows_name_the_package_tree_git_would_give(tmp_path):
         subprocess.run(git + command, check=True)
     expected = subprocess.run(git + ["rev-parse", "HEAD:thunder_memopt"], check=True, capture_output=True, text=True)
     assert benchmark_fsdp2.git_tree_hash(package) == expected.stdout.strip()
+
+
+def test_profile_rows_get_a_kernel_table_per_step():
+    row = {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 256, "budget": None, "status": "ok",
+           "world_size": 2, "gpu": "g", "dtype": "bfloat16", "micro_batch_size": 1, "distributed_mode": "fsdp2",
+           "shard_mode": "zero2", "backend": "thunder", "block_size": 128, "iters": 5, "step_ms": 20.0,
+           "date": "2026-11-30T06:55:06+00:00", "peak_alloc_max": 2**30, "peak_reserved_max": 2**30,
+           "profile": {"gpu_busy_fraction": 0.97, "top_gpu_ms": [["copy_kernel" + "<T>" * 40, 150.0, 1320]],
+                       "top_cpu_ms": []}}
+    section = make_table.markdown([row]).split("##### ")[1]
+    assert section.startswith("Profile: thunder, T=128, 2026-11-30T06:55: 20 ms per step, GPU busy 97%")
+    kernel_line = section.splitlines()[-1]
+    assert kernel_line.endswith("| 30.0 | 264 |") and len(kernel_line) < 120
