@@ -41,6 +41,7 @@ __all__ = [
     "symbols",
     "tensor_nbytes",
     "storage_roots",
+    "storage_nbytes",
     "estimate_memory",
     "saved_for_backward",
     "estimate_step",
@@ -256,16 +257,19 @@ def received_tensors(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None
     return trace_inputs(trace) + unpacked
 
 
+KnownStorages = Mapping[str, tuple[str, int]]  # input name -> (the input naming its storage, storage bytes)
+
+
 def storage_roots(
-    trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None, shared_inputs: Mapping[str, str] | None = None
+    trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None, known_storages: KnownStorages | None = None
 ) -> dict[str, TensorInfo]:
     """Every tensor proxy of the trace, keyed by name, with the storage it lives in.
 
-    ``bsyms`` replaces the trace's bound symbols (indices then refer to it). ``shared_inputs`` maps
-    an input (or a saved tensor a backward unpacks) to the input whose storage it shares, which the
-    trace cannot see: a forward that saves a tensor and a view of it hands the backward both.
+    ``bsyms`` replaces the trace's bound symbols (indices then refer to it). ``known_storages``
+    gives an input (or a saved tensor a backward unpacks) the storage it shares with another input,
+    which the trace cannot see: a forward that saves a tensor and a view of it hands the backward both.
     """
-    shared_inputs = shared_inputs or {}
+    known_storages = known_storages or {}
     bsyms = trace.bound_symbols if bsyms is None else bsyms
     infos: dict[str, TensorInfo] = {}
     strides: dict[str, Strides] = {}
@@ -286,7 +290,7 @@ def storage_roots(
         strides.setdefault(t.name, contiguous_strides(t.shape))
 
     for t in received_tensors(trace, bsyms):
-        add(t, shared_inputs.get(t.name, t.name), None, None)
+        add(t, known_storages[t.name][0] if t.name in known_storages else t.name, None, None)
     for i, bsym in enumerate(bsyms):
         if is_bookkeeping(bsym):
             continue
@@ -317,6 +321,14 @@ def storage_roots(
             else:
                 add(o, o.name, bsym, i)
     return infos
+
+
+def storage_nbytes(infos: Mapping[str, TensorInfo], known_storages: KnownStorages | None = None) -> dict[str, int]:
+    """The bytes of each storage of ``storage_roots``: its root tensor's, or for a storage the trace
+    receives and cannot see whole (a saved slice's base), the bytes ``known_storages`` gives."""
+    nbytes = {i.storage: infos[i.storage].nbytes for i in infos.values()}
+    nbytes.update((known_storages or {}).values())
+    return nbytes
 
 
 @dataclass(frozen=True)
@@ -355,7 +367,7 @@ def estimate_memory(
     *,
     inputs_freed: bool | None = None,
     held: Iterable[str] = (),
-    known_storages: Mapping[str, tuple[str, int]] | None = None,
+    known_storages: KnownStorages | None = None,
 ) -> MemoryEstimate:
     """Estimate the live bytes after every bound symbol of an execution trace.
 
@@ -367,14 +379,12 @@ def estimate_memory(
     ``known_storages`` gives inputs the storage the trace cannot see, as (the input that names it,
     its bytes): a backward receives saved views whose storages the forward allocated.
     """
-    known_storages = known_storages or {}
     if inputs_freed is None:
         inputs_freed = TraceTag.BACKWARD in trace.tags
     bsyms = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
-    infos = storage_roots(trace, bsyms, {name: storage for name, (storage, _) in known_storages.items()})
+    infos = storage_roots(trace, bsyms, known_storages)
     last = _last_uses(bsyms, infos)
-    storage_bytes = {i.storage: infos[i.storage].nbytes for i in infos.values()}
-    storage_bytes.update(known_storages.values())
+    storage_bytes = storage_nbytes(infos, known_storages)
     input_storages = {i.storage for i in infos.values() if i.producer_index is None}
     returned = {infos[p.name].storage for p in (bsyms[-1].flat_proxy_args if bsyms else ())
                 if getattr(p, "name", None) in infos} if bsyms and bsyms[-1].sym.id == prims.PrimIDs.RETURN else set()
@@ -546,7 +556,7 @@ def estimate_step(forward_trace: TraceCtx, backward_trace: TraceCtx) -> StepEsti
     return StepEstimate(fw, bw, saved, fw_peak, "forward")
 
 
-def backward_storages(forward_trace: TraceCtx, backward_trace: TraceCtx) -> dict[str, tuple[str, int]]:
+def backward_storages(forward_trace: TraceCtx, backward_trace: TraceCtx) -> KnownStorages:
     """For ``estimate_memory(backward_trace, known_storages=...)``: the forward storage of each
     saved tensor the backward receives (see ``_saved_storages``)."""
     return _saved_storages(saved_for_backward(forward_trace), backward_trace)

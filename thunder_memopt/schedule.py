@@ -46,11 +46,13 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
 from thunder_memopt.memory import (
+    KnownStorages,
     TensorInfo,
     _source_of,
     is_bookkeeping,
     is_parameter,
     replace_bound_symbols,
+    storage_nbytes,
     storage_roots,
     strip_deletions,
     symbols,
@@ -173,9 +175,9 @@ def _split(bsyms: Sequence[BoundSymbol]):
 class _Storages:
     """Integer ids for the storages of a trace, and alias classes for write ordering."""
 
-    def __init__(self, infos: dict[str, TensorInfo], known_bytes: Mapping[str, int]) -> None:
+    def __init__(self, infos: dict[str, TensorInfo], storage_bytes: Mapping[str, int]) -> None:
         self.infos = infos
-        self.known_bytes = known_bytes  # storages the trace receives but cannot see the size of
+        self.storage_bytes = storage_bytes
         self.ids: dict[str, int] = {}
         self.nbytes: list[int] = []
         self.parent: list[int] = []
@@ -185,7 +187,7 @@ class _Storages:
         sid = self.ids.get(root)
         if sid is None:
             sid = self.ids[root] = len(self.nbytes)
-            self.nbytes.append(self.known_bytes.get(root, self.infos[root].nbytes))
+            self.nbytes.append(self.storage_bytes[root])
             self.parent.append(sid)
         return sid
 
@@ -250,18 +252,17 @@ def _write_edges(
         preds[v].discard(v)
 
 
-def build_graph(trace: TraceCtx, known_storages: Mapping[str, tuple[str, int]] | None = None) -> ScheduleGraph:
+def build_graph(trace: TraceCtx, known_storages: KnownStorages | None = None) -> ScheduleGraph:
     """The dependency graph and storages of an execution trace (see the module docstring).
 
     ``known_storages`` is ``memory.estimate_memory``'s: for a backward, the forward storage of each
     saved tensor (``memory.backward_storages``), so that a tensor saved with its view is one storage.
     """
-    known_storages = known_storages or {}
     is_backward = TraceTag.BACKWARD in trace.tags
     bsyms = strip_deletions(trace).bound_symbols
     head, nodes, tail = _split(bsyms)
-    shared = {name: storage for name, (storage, _) in known_storages.items()}
-    storages = _Storages(storage_roots(trace, bsyms, shared), dict(known_storages.values()))
+    infos = storage_roots(trace, bsyms, known_storages)
+    storages = _Storages(infos, storage_nbytes(infos, known_storages))
     inputs = {i.storage for i in storages.infos.values() if i.producer_index is None}
     for name in inputs:
         storages.of(name)
@@ -566,7 +567,7 @@ def _best_order(g: ScheduleGraph) -> tuple[str, Order]:
     return method, order
 
 
-def schedule_trace(trace: TraceCtx, known_storages: Mapping[str, tuple[str, int]] | None = None) -> ScheduleResult:
+def schedule_trace(trace: TraceCtx, known_storages: KnownStorages | None = None) -> ScheduleResult:
     """Reorder an execution trace to lower its peak of live bytes (see the module docstring).
     ``known_storages``: as for ``build_graph``."""
     start = time.perf_counter()
