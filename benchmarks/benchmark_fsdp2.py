@@ -74,7 +74,7 @@ CPU_DEFAULT_N_EMBD = 256
 MEMORY_FIELDS = ("peak_alloc_rank0", "peak_reserved_rank0", "peak_alloc_max", "peak_reserved_max")
 MEMORY_HISTORY_ENTRIES = 100_000
 PROFILE_TOP_OPS = 10
-PROFILE_NAME_CHARS = 90
+PROFILE_NAME_CHARS = make_table.KERNEL_NAME_CHARS
 # Statuses that a rerun with --resume takes from --out instead of measuring again.
 FINAL_STATUSES = ("ok", "OOM")
 LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
