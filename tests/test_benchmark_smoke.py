@@ -262,10 +262,14 @@ def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
     assert losses["outside-fp32"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
 
 
+# An ok run row with the configuration fields the tables group by; tests add the rest.
+TABLE_ROW = {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 256, "budget": None, "status": "ok",
+             "world_size": 2, "gpu": "g", "dtype": "bfloat16", "micro_batch_size": 1, "distributed_mode": "fsdp2",
+             "shard_mode": "zero2"}
+
+
 def test_summary_has_a_row_per_backend_and_a_column_per_block_size():
-    row = {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 256, "budget": None, "status": "ok",
-           "world_size": 2, "gpu": "g", "dtype": "bfloat16", "micro_batch_size": 1, "distributed_mode": "fsdp2",
-           "shard_mode": "zero2"}
+    row = TABLE_ROW
     rows = [{**row, "backend": "thunder", "block_size": 128, "peak_alloc_max": 3 * 2**30, "step_ms": 20.0},
             {**row, "backend": "eager", "block_size": 256, "status": "OOM"},
             {**row, "backend": "eager", "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}]
@@ -278,9 +282,7 @@ def test_summary_puts_defaults_first_and_latest_code_leaves_out_unfused_rows(tmp
     """Within a backend the summary lists the default settings, then budgets falling; --latest-code
     drops thunder+memopt rows from before fuse_replays existed, and the plot does not split rows
     written before a field existed from rows that hold its old value."""
-    row = {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 256, "status": "ok", "world_size": 2, "gpu": "g",
-           "dtype": "bfloat16", "micro_batch_size": 1, "distributed_mode": "fsdp2", "shard_mode": "zero2",
-           "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}
+    row = {**TABLE_ROW, "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}
     memopt = {**row, "backend": "thunder+memopt", "fuse_replays": "auto", "autocast": False}
     rows = [{**row, "backend": "thunder+memopt", "budget": 1.0},  # first session: no fuse_replays, no autocast
             {**memopt, "budget": 0.0}, {**memopt, "budget": 1.0, "memopt_passes": ["recompute"]},
@@ -310,9 +312,7 @@ def test_rows_name_the_package_tree_git_would_give(tmp_path):
 
 
 def test_profile_rows_get_a_kernel_table_per_step():
-    row = {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 256, "budget": None, "status": "ok",
-           "world_size": 2, "gpu": "g", "dtype": "bfloat16", "micro_batch_size": 1, "distributed_mode": "fsdp2",
-           "shard_mode": "zero2", "backend": "thunder", "block_size": 128, "iters": 5, "step_ms": 20.0,
+    row = {**TABLE_ROW, "backend": "thunder", "block_size": 128, "iters": 5, "step_ms": 20.0,
            "date": "2026-11-30T06:55:06+00:00", "peak_alloc_max": 2**30, "peak_reserved_max": 2**30,
            "profile": {"gpu_busy_fraction": 0.97, "top_gpu_ms": [["copy_kernel" + "<T>" * 40, 150.0, 1320]],
                        "top_cpu_ms": []}}
