@@ -5,8 +5,9 @@ and AdamW step, the peak allocated and reserved CUDA memory (rank 0 and the maxi
 median step time and tokens/s/GPU, the bytes saved for backward per layer, the first step's time
 (compilation), and the last step's loss. Backends: ``eager``, ``eager-ac`` (full activation
 checkpointing of every Block, the memory floor), ``inductor``, ``inductor-budget`` (inductor with
-``activation_memory_budget``), ``thunder`` and ``thunder+memopt`` (Thunder with thunder_memopt's
-``MemoryOptimization``). Sharding: FSDP2 (``fully_shard``), Thunder's own FSDP, or none.
+``activation_memory_budget``), ``thunder`` (Thunder's default executors), ``thunder+fusion``
+(thunder_memopt's fusion and cuDNN attention executors, no MemoryOptimization) and ``thunder+memopt``
+(the recommended configuration: those executors and ``MemoryOptimization``). Sharding: FSDP2 (``fully_shard``), Thunder's own FSDP, or none.
 
 Why a driver and workers: a backend's compiled code, allocator cache and peak statistics must not
 leak into the next backend's numbers, so every row runs in fresh processes. The process you launch
@@ -61,9 +62,11 @@ import torch.distributed as dist  # noqa: E402
 import make_table  # noqa: E402  (benchmarks/ is sys.path[0] when this file runs as a script)
 
 BACKENDS = make_table.BACKENDS
-THUNDER_BACKENDS = ("thunder", "thunder+memopt")
+THUNDER_BACKENDS = ("thunder", "thunder+fusion", "thunder+memopt")
+# Backends that run thunder_memopt's executors (thunder_memopt.executors()).
+EXECUTOR_BACKENDS = ("thunder+fusion", "thunder+memopt")
 DISTRIBUTED_MODES = ("fsdp2", "thunder-fsdp", "none")
-FUSE_REPLAYS = {"auto": None, "on": True, "off": False}
+FUSION = {"on": True, "off": False}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 # Small, so that a handful of steps moves every backend's weights alike and the losses stay comparable.
@@ -75,10 +78,11 @@ MEMORY_FIELDS = ("peak_alloc_rank0", "peak_reserved_rank0", "peak_alloc_max", "p
 MEMORY_HISTORY_ENTRIES = 100_000
 PROFILE_TOP_OPS = 10
 PROFILE_NAME_CHARS = make_table.KERNEL_NAME_CHARS
+COPY_KERNEL = "copy_kernel"  # in the names of ATen's copy kernels: direct_copy_kernel_cuda, bfloat16_copy_kernel_cuda
 # Statuses that a rerun with --resume takes from --out instead of measuring again.
 FINAL_STATUSES = ("ok", "OOM")
 LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
-MEMOPT_ONLY_FIELDS = ("memopt_passes", "fuse_replays")  # Trial fields that change only thunder+memopt
+MEMOPT_ONLY_FIELDS = ("memopt_passes", "fusion")  # Trial fields that change only thunder_memopt's backends
 EXIT_INCOMPLETE = 3  # --time-limit stopped the run; rerun the same command with --resume
 STOP_GRACE_S = 30
 ERROR_MESSAGE_CHARS = 2000  # compile errors quote whole commands; the log has the rest
@@ -114,7 +118,7 @@ class Trial:
     seed: int
     search: bool = False  # a --find-max-block-size probe: only whether it fits matters
     memopt_passes: tuple[str, ...] | None = None  # thunder+memopt: MemoryOptimization(passes=...); None: all
-    fuse_replays: str = "auto"  # thunder+memopt: MemoryOptimization(fuse_replays=...): auto, on or off
+    fusion: str = "on"  # thunder+fusion, thunder+memopt: thunder_memopt.executors(fusion=...): on or off
     autocast: bool = False  # bf16 torch.autocast over parameters kept in ``dtype``
     loss_mode: str = "in-graph"  # where and how the cross-entropy runs: one of LOSS_MODES
     profile: bool = False
@@ -124,8 +128,8 @@ class Trial:
         budget = "" if self.budget is None else f" budget={self.budget:g}"
         if self.memopt_passes is not None:
             budget += f" passes={'+'.join(self.memopt_passes)}"
-        if self.backend == "thunder+memopt" and self.fuse_replays != "auto":
-            budget += f" fuse_replays={self.fuse_replays}"
+        if self.backend in EXECUTOR_BACKENDS and self.fusion != "on":
+            budget += f" fusion={self.fusion}"
         if self.autocast:
             budget += " autocast"
         if self.loss_mode != "in-graph":
@@ -161,6 +165,7 @@ class Training:
     reshard_after_forward: bool
     autocast_device: str | None = None  # bf16 autocast on this device type around the forward
     memopt: Any = None  # the MemoryOptimization instance of thunder+memopt (its pass timings)
+    executors: list | None = None  # the Thunder executors, for the thunder backends
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_device is None:
@@ -224,22 +229,35 @@ def shard_with_fsdp2(gpt: torch.nn.Module, trial: Trial) -> None:
 def memory_optimization(trial: Trial):
     from thunder_memopt import MemoryOptimization
 
-    options = {"activation_budget": trial.budget, "fuse_replays": FUSE_REPLAYS[trial.fuse_replays]}
+    options = {"activation_budget": trial.budget}
     if trial.memopt_passes is not None:
         options["passes"] = trial.memopt_passes
     return MemoryOptimization(**options)
 
 
-def thunder_fsdp(module: torch.nn.Module, trial: Trial, device: torch.device, transforms: list) -> torch.nn.Module:
+def thunder_executors(trial: Trial) -> list:
+    """The executors of a thunder backend: Thunder's defaults, or thunder_memopt's in front of them."""
+    import thunder
+
+    if trial.backend in EXECUTOR_BACKENDS:
+        from thunder_memopt import executors
+
+        return executors(fusion=FUSION[trial.fusion])
+    return list(thunder.get_default_executors())
+
+
+def thunder_fsdp(module: torch.nn.Module, trial: Trial, device: torch.device, transforms: list,
+                 executors: list) -> torch.nn.Module:
     """Thunder's FSDP. thunder 0.2.6's ``fsdp`` takes the jitted module and adds its sharding transform."""
     import thunder
     from thunder.distributed import FSDPType, fsdp
 
     strategy = FSDPType.ZERO3 if trial.shard_mode == "zero3" else FSDPType.ZERO2
-    return fsdp(thunder.jit(module, transforms=transforms), device=device, sharding_strategy=strategy)
+    jitted = thunder.jit(module, transforms=transforms, executors=executors)
+    return fsdp(jitted, device=device, sharding_strategy=strategy)
 
 
-def compile_for_backend(module: torch.nn.Module, trial: Trial, memopt) -> Callable:
+def compile_for_backend(module: torch.nn.Module, trial: Trial, memopt, executors: list | None) -> Callable:
     """``module`` compiled by ``trial.backend`` (under FSDP2 or on one device)."""
     if trial.backend in ("eager", "eager-ac"):
         return module
@@ -247,18 +265,19 @@ def compile_for_backend(module: torch.nn.Module, trial: Trial, memopt) -> Callab
         if trial.backend == "inductor-budget":
             torch._functorch.config.activation_memory_budget = trial.budget
         return torch.compile(module)
+    transforms = [memopt] if memopt is not None else []
     if trial.distributed_mode == "fsdp2":
         # FSDP2's hooks need dynamo in front: torch.compile with Thunder as the backend.
-        if trial.backend == "thunder":
+        if memopt is None:
             from thunder.dynamo import ThunderCompiler
 
-            return torch.compile(module, backend=ThunderCompiler())
+            return torch.compile(module, backend=ThunderCompiler(executors=executors))
         from thunder_memopt import thunderfx_backend
 
-        return torch.compile(module, backend=thunderfx_backend(memopt))
+        return torch.compile(module, backend=thunderfx_backend(memopt, executors=executors))
     import thunder
 
-    return thunder.jit(module, transforms=[memopt] if memopt is not None else [])
+    return thunder.jit(module, transforms=transforms, executors=executors)
 
 
 def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -> Training:
@@ -272,13 +291,15 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
     module = GPTWithLoss(gpt) if trial.loss_mode == "in-graph" else gpt
     autocast_device = device.type if trial.autocast else None
     memopt = memory_optimization(trial) if trial.backend == "thunder+memopt" else None
+    executors = thunder_executors(trial) if trial.backend in THUNDER_BACKENDS else None
     if trial.distributed_mode == "thunder-fsdp":
-        sharded = thunder_fsdp(module, trial, device, [memopt] if memopt is not None else [])
+        sharded = thunder_fsdp(module, trial, device, [memopt] if memopt is not None else [], executors)
         return Training(with_loss(sharded, trial.loss_mode), sharded, fsdp_root=None, reshard_after_forward=zero3,
-                        autocast_device=autocast_device, memopt=memopt)
+                        autocast_device=autocast_device, memopt=memopt, executors=executors)
     fsdp_root = gpt if trial.distributed_mode == "fsdp2" else None
-    return Training(with_loss(compile_for_backend(module, trial, memopt), trial.loss_mode), module, fsdp_root=fsdp_root,
-                    reshard_after_forward=zero3, autocast_device=autocast_device, memopt=memopt)
+    compiled = compile_for_backend(module, trial, memopt, executors)
+    return Training(with_loss(compiled, trial.loss_mode), module, fsdp_root=fsdp_root, reshard_after_forward=zero3,
+                    autocast_device=autocast_device, memopt=memopt, executors=executors)
 
 
 def with_loss(compiled: Callable, loss_mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -369,10 +390,14 @@ def profile_summary(profiler: torch.profiler.profile, wall_s: float) -> dict:
         return [[e.key[:PROFILE_NAME_CHARS], microseconds(e) / 1e3, e.count] for e in ranked]
 
     averages = profiler.key_averages()
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
     kernel_spans = [(e.time_range.start, e.time_range.end) for e in profiler.events()
                     if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     return {
-        "top_gpu_ms": top([e for e in averages if e.device_type == DeviceType.CUDA], lambda e: e.device_time_total),
+        "top_gpu_ms": top(kernels, lambda e: e.device_time_total),
+        # Casts and layout copies (direct_copy_kernel, bfloat16_copy_kernel...), which fusion removes.
+        "copy_kernel_ms": sum(e.device_time_total for e in kernels if COPY_KERNEL in e.key) / 1e3,
+        "copy_kernel_calls": sum(e.count for e in kernels if COPY_KERNEL in e.key),
         "top_cpu_ms": top([e for e in averages if e.device_type == DeviceType.CPU], lambda e: e.self_cpu_time_total),
         "gpu_busy_fraction": union_length(kernel_spans) / (wall_s * 1e6) if kernel_spans else None,
     }
@@ -541,6 +566,13 @@ def worker_main(trial_file: Path) -> int:
     if trial.backend == "thunder+memopt":
         result["memopt_warnings"] = memopt_warnings
         result["memopt_pass_s"] = session.training.memopt.pass_seconds
+    if session.training.executors is not None:
+        result["executors"] = [ex.name for ex in session.training.executors]
+    if trial.backend in EXECUTOR_BACKENDS:
+        from thunder_memopt.executors import compile_stats
+
+        stats = compile_stats()
+        result["fusion_functions"], result["fusion_compile_s"] = stats.functions, stats.compile_seconds
     if rank == 0:
         write_json(out_dir / "result.json", result)  # kept if the measurement below fails
     if not trial.search:
@@ -669,7 +701,7 @@ def same_measurement(row: dict, key: dict) -> bool:
     """Whether ``row`` measured what ``key`` describes. A field added after the row was written takes
     the value that rows had before (make_table.FIELD_DEFAULTS); the MemoryOptimization options count
     only for thunder+memopt, so --resume keeps, say, an eager row written before they existed."""
-    ignored = () if key.get("backend") == "thunder+memopt" else MEMOPT_ONLY_FIELDS
+    ignored = () if key.get("backend") in EXECUTOR_BACKENDS else MEMOPT_ONLY_FIELDS
     return all(make_table.field_value(row, field) == value
                for field, value in key.items() if field not in ignored)
 
@@ -763,7 +795,7 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                  world_size=1 if args.distributed_mode == "none" else world_size, backend=args.compile[0], budget=None,
                  warmup=args.warmup, iters=args.iters, seed=args.seed, profile=args.profile,
                  memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
-                 fuse_replays=args.memopt_fuse_replays, autocast=args.autocast, loss_mode=args.loss_mode)
+                 fusion=args.fusion, autocast=args.autocast, loss_mode=args.loss_mode)
 
 
 def snapshot_path(base: str | None, trial: Trial) -> str | None:
@@ -1004,8 +1036,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                           help="torch._functorch.config.activation_memory_budget for inductor-budget (a row each)")
     backends.add_argument("--memopt-passes", nargs="+", default=None,
                           help="MemoryOptimization(passes=...) for thunder+memopt (default: every pass)")
-    backends.add_argument("--memopt-fuse-replays", choices=sorted(FUSE_REPLAYS), default="auto",
-                          help="MemoryOptimization(fuse_replays=...): auto fuses on CUDA (default), on, off")
+    backends.add_argument("--fusion", choices=sorted(FUSION), default="on",
+                          help="thunder+fusion and thunder+memopt: thunder_memopt.executors(fusion=...); off runs every "
+                               "op as plain Thunder does (bit-identical)")
     backends.add_argument("--memopt-budget", type=float, nargs="+", default=[1.0],
                           help="MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")
 

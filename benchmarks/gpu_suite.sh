@@ -34,7 +34,7 @@ OUT=${2:-benchmarks/results}
 PYTHON=${PYTHON:-python}
 TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-9}
 LOG_DIR=${LOG_DIR:-}
-ALL_BACKENDS=(eager eager-ac inductor inductor-budget thunder thunder+memopt)
+ALL_BACKENDS=(eager eager-ac inductor inductor-budget thunder thunder+fusion thunder+memopt)
 
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"

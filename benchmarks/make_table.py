@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # The benchmark's backends, in the order the summary lists them.
-BACKENDS = ("eager", "eager-ac", "inductor", "inductor-budget", "thunder", "thunder+memopt")
+BACKENDS = ("eager", "eager-ac", "inductor", "inductor-budget", "thunder", "thunder+fusion", "thunder+memopt")
+# The backends that run thunder_memopt's executors; their rows say whether fusion was on.
+EXECUTOR_BACKENDS = ("thunder+fusion", "thunder+memopt")
 # The fields that make two runs comparable, apart from block size, backend and budget.
 CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
                  "shard_mode", "autocast", "loss_mode", "world_size", "gpu")
@@ -47,7 +49,7 @@ def latest(rows: list[dict]) -> list[dict]:
     by_identity: dict[tuple, dict] = {}
     for row in rows:
         identity = (row.get("row_type"), row.get("search"), row["backend"], row.get("budget"), str(row.get("memopt_passes")),
-                    replay_fusion(row),
+                    execution(row),
                     *config_of(row, with_block_size=True))
         by_identity[identity] = row
     return list(by_identity.values())
@@ -86,15 +88,22 @@ def backend_label(row: dict) -> str:
     passes = row.get("memopt_passes")
     if passes:
         label += f" [{'+'.join(passes)}]"
-    fuse = replay_fusion(row)
-    if fuse not in (None, "auto"):
-        label += " [unfused replays]" if fuse == "off" else f" [fuse_replays={fuse}]"
+    how = execution(row)
+    if how is not None:
+        label += f" [{how}]"
     return label
 
 
-def replay_fusion(row: dict) -> str | None:
-    """thunder+memopt's fuse_replays setting; rows from before the option existed ran unfused."""
-    return row.get("fuse_replays", "off") if row["backend"] == "thunder+memopt" else None
+def execution(row: dict) -> str | None:
+    """How a row of thunder_memopt's backends executed, where it is not the current default (the
+    fusion executor on): ``fusion off``, or for thunder+memopt rows from before the executors, which
+    ran on Thunder's executors, ``fused replays`` or ``unfused replays`` (the fuse_replays option;
+    the first session's rows had none and ran unfused)."""
+    if row["backend"] not in EXECUTOR_BACKENDS:
+        return None
+    if "fusion" in row:
+        return None if row["fusion"] == "on" else "fusion off"
+    return "unfused replays" if row.get("fuse_replays", "off") == "off" else "fused replays"
 
 
 def number(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -195,16 +204,16 @@ def summary(rows: list[dict]) -> str:
 
 def summary_order(row: dict) -> tuple:
     """Backends in BACKENDS order; within one, the default settings first, then budgets falling, then
-    a subset of the passes, then replays unfused."""
-    unfused = replay_fusion(row) not in (None, "auto")
+    a subset of the passes, then other execution (fusion off, rows from before the executors)."""
+    unfused = execution(row) is not None
     budget = row.get("budget")
     return BACKENDS.index(row["backend"]), unfused, bool(row.get("memopt_passes")), -(1.0 if budget is None else budget)
 
 
 def written_by_current_code(row: dict) -> bool:
-    """False for thunder+memopt rows from before the fuse_replays option: their replays ran unfused,
-    as they no longer do by default, and their budgets below 1 chose plans by an earlier rule."""
-    return row["backend"] != "thunder+memopt" or "fuse_replays" in row
+    """False for thunder+memopt rows from before thunder_memopt's executors: they ran on Thunder's
+    executors alone, as the backend no longer does."""
+    return row["backend"] != "thunder+memopt" or "fusion" in row
 
 
 def summary_cell(row: dict | None) -> str:
@@ -370,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summary", action="store_true",
                         help="one row per backend, a column per block size: peak GiB / step ms")
     parser.add_argument("--latest-code", action="store_true",
-                        help="leave out thunder+memopt rows written before the fuse_replays option (unfused replays)")
+                        help="leave out thunder+memopt rows written before thunder_memopt's executors")
     args = parser.parse_args(argv)
     rows = latest(load_rows(args.results))
     if args.latest_code:

@@ -1,4 +1,5 @@
-"""A ``torch.compile`` backend: Thunder's ThunderCompiler with MemoryOptimization enabled.
+"""A ``torch.compile`` backend: Thunder's ThunderCompiler with MemoryOptimization enabled and
+thunder_memopt's executors (``thunder_memopt.executors()``) in front of Thunder's.
 
 ThunderCompiler appends its own transform to the list it is given and shares the transform
 instances across every dynamo subgraph. This helper gives it a fresh list, so the caller's list is
@@ -15,15 +16,34 @@ from __future__ import annotations
 from typing import Any
 
 from thunder_memopt.collectives import keep_collectives_out_of_thunder
+from thunder_memopt.executors import executors
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = ["thunderfx_backend"]
 
 
-def thunderfx_backend(memory_optimization: MemoryOptimization | None = None, **thunder_options: Any):
-    """A ThunderCompiler with ``memory_optimization`` (default ``MemoryOptimization()``) first."""
+def thunderfx_backend(
+    memory_optimization: MemoryOptimization | None = None,
+    *,
+    fusion: bool = True,
+    cudnn_attention: bool = True,
+    **thunder_options: Any,
+):
+    """A ThunderCompiler with ``memory_optimization`` (default ``MemoryOptimization()``) first.
+
+    ``fusion`` and ``cudnn_attention`` choose thunder_memopt's executors (``executors()``), unless
+    ``executors=`` is given among the ThunderCompiler options; ``fusion=False`` keeps every op as
+    plain Thunder runs it, bit for bit.
+    """
     from thunder.dynamo import ThunderCompiler
 
+    if memory_optimization is not None and not isinstance(memory_optimization, MemoryOptimization):
+        raise TypeError(
+            "thunderfx_backend: memory_optimization must be a MemoryOptimization instance or None, "
+            f"got {memory_optimization!r}"
+        )
+    chosen = executors(fusion=fusion, cudnn_attention=cudnn_attention)
+    thunder_options.setdefault("executors", chosen)
     transform = memory_optimization if memory_optimization is not None else MemoryOptimization()
     transforms = [transform, *thunder_options.pop("transforms", [])]
     compiler = ThunderCompiler(transforms=transforms, **thunder_options)

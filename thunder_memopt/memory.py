@@ -21,15 +21,17 @@ from __future__ import annotations
 import math
 
 from collections import ChainMap
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from thunder.core import prims
 from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.pytree import tree_flatten
-from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.executors.torch_compile import TorchCompileExecutor
+
+from thunder_memopt.ops import symbols
 
 __all__ = [
     "TensorInfo",
@@ -37,8 +39,6 @@ __all__ = [
     "SavedTensor",
     "SavedInventory",
     "StepEstimate",
-    "op_names",
-    "symbols",
     "tensor_nbytes",
     "storage_roots",
     "storage_nbytes",
@@ -64,33 +64,26 @@ _DELETION_NAMES = {"python_del", "del", "clear_mutable_collection"}
 
 # In-place ops return (an alias of) the argument at this position.
 _INPLACE_TARGET = {"copy_": 1}
-# Leaf ops that return a view of their first argument. Strides are simulated through them, so that
-# ``reshape`` counts as a view exactly when PyTorch can make it one (torch's computeStride).
-_VIEW_PRIMS = {
-    "broadcast_in_dim",
-    "transpose",
-    "slice_prim",
-    "torch_slice_prim_impl",
-    "squeeze",
-    "reshape",
-    "torch_prims_reshape_impl",
-    "shallow_copy",
-    "wait",
-    "torch_wait_prim_impl",
+# Leaf ops that return a view of their first argument, by symbol id: a torch-level op of a prim's
+# name (``torch.transpose(t, 1, 2)``) has another signature, and is read through its decomposition.
+# Strides are simulated through them, so that ``reshape`` counts as a view exactly when PyTorch can
+# make it one (torch's computeStride).
+_VIEW_PRIM_IDS = {
+    prims.PrimIDs.BROADCAST_IN_DIM: "broadcast_in_dim",
+    prims.PrimIDs.TRANSPOSE: "transpose",
+    prims.PrimIDs.SLICE: "slice",
+    prims.PrimIDs.SQUEEZE: "squeeze",
+    prims.PrimIDs.RESHAPE: "reshape",
+    prims.PrimIDs.SHALLOW_COPY: "shallow_copy",
+}
+# Executor symbols that implement a view prim with the prim's own signature; distributed ``wait``.
+_VIEW_PRIM_IMPLS = {
+    "torch_slice_prim_impl": "slice",
+    "torch_prims_reshape_impl": "reshape",
+    "torch_wait_prim_impl": "wait",
+    "wait": "wait",
 }
 Strides = tuple[int, ...]
-
-
-def symbols(bsym: BoundSymbol) -> Iterator[Symbol]:
-    """The symbol of a bound symbol and those of its whole decomposition, outermost first."""
-    yield bsym.sym
-    for sub in bsym.subsymbols:
-        yield from symbols(sub)
-
-
-def op_names(bsym: BoundSymbol) -> tuple[str, ...]:
-    """The names of a bound symbol and of its decomposition, outermost first."""
-    return tuple(sym.name for sym in symbols(bsym))
 
 
 def is_bookkeeping(bsym: BoundSymbol) -> bool:
@@ -144,10 +137,14 @@ def _reshape_strides(old_shape: Sequence[int], old_strides: Strides, new_shape: 
     return tuple(new_strides) if view_d == -1 else None
 
 
-def _leaf_view_strides(bsym: BoundSymbol, inp: TensorProxy, in_strides: Strides, out: TensorProxy) -> Strides | None:
-    name = bsym.sym.name
+def _view_prim(bsym: BoundSymbol) -> str | None:
+    """The view prim a bound symbol is, with the prim's signature, or None."""
+    return _VIEW_PRIM_IDS.get(bsym.sym.id) or _VIEW_PRIM_IMPLS.get(bsym.sym.name)
+
+
+def _leaf_view_strides(name: str, bsym: BoundSymbol, inp: TensorProxy, in_strides: Strides, out: TensorProxy) -> Strides | None:
     shape = tuple(int(s) for s in inp.shape)
-    if name in {"shallow_copy", "wait", "torch_wait_prim_impl"}:
+    if name in {"shallow_copy", "wait"}:
         return in_strides
     if name == "broadcast_in_dim":
         out_shape, bdims = bsym.args[1], bsym.args[2]
@@ -157,13 +154,13 @@ def _leaf_view_strides(bsym: BoundSymbol, inp: TensorProxy, in_strides: Strides,
         return tuple(strides)
     if name == "transpose":
         return tuple(in_strides[d] for d in bsym.args[1])
-    if name in {"slice_prim", "torch_slice_prim_impl"}:
+    if name == "slice":
         steps = bsym.args[3] if len(bsym.args) > 3 and bsym.args[3] is not None else [1] * len(shape)
         return tuple(s * st for s, st in zip(in_strides, steps))
     if name == "squeeze":
         dims = {d % len(shape) for d in bsym.args[1]}
         return tuple(s for d, s in enumerate(in_strides) if d not in dims)
-    if name in {"reshape", "torch_prims_reshape_impl"}:
+    if name == "reshape":
         return _reshape_strides(shape, in_strides, tuple(int(s) for s in out.shape))
     return None
 
@@ -177,8 +174,9 @@ def view_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> dict[str,
     args, outs = tensor_args(bsym), tensor_outs(bsym)
     if not args or not outs or args[0].name not in strides:
         return None
-    if bsym.sym.name in _VIEW_PRIMS:
-        s = _leaf_view_strides(bsym, args[0], strides[args[0].name], outs[0])
+    prim = _view_prim(bsym)
+    if prim is not None:
+        s = _leaf_view_strides(prim, bsym, args[0], strides[args[0].name], outs[0])
         return None if s is None else {outs[0].name: s}
     if not bsym.subsymbols:
         return None

@@ -12,7 +12,7 @@ compute (its inputs and the outputs of ops that must not be recomputed) and what
 the cheap ops behind the cut are replayed in the backward, each just before its first reader, from
 the same executor symbols that ran in the forward, so numerics are unchanged.
 
-Which ops may be replayed depends on ``activation_budget`` (see ``op_kind``): at 1.0 cheap ops only
+Which ops may be replayed depends on ``activation_budget`` (see ``thunder_memopt.ops.op_kind``): at 1.0 cheap ops only
 (elementwise, casts, views, norms, activations, rotary, masks); below it also matmuls and attention,
 the cheapest FLOPs first, until the saved bytes fall to the budget's share between the two extremes.
 Random ops, collectives, in-place ops and anything not recognised are never replayed: they are
@@ -21,7 +21,6 @@ saved, as before.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,7 +39,6 @@ from thunder_memopt.memory import (
     estimate_step,
     is_bookkeeping,
     is_parameter,
-    op_names,
     replace_bound_symbols,
     saved_proxies,
     storage_roots,
@@ -49,11 +47,9 @@ from thunder_memopt.memory import (
     tensor_outs,
     trace_inputs,
 )
+from thunder_memopt.ops import OpKind, op_kind, op_names
 
 __all__ = [
-    "OpKind",
-    "op_kind",
-    "leaf_names",
     "RecomputePlan",
     "plan_recompute",
     "plan_ladder",
@@ -63,82 +59,6 @@ __all__ = [
     "replay_in_backward",
     "save_in_forward",
 ]
-
-
-class OpKind(enum.Enum):
-    CHEAP = "cheap"  # replayed at any budget
-    EXPENSIVE = "expensive"  # replayed only below budget 1.0
-    NEVER = "never"  # always saved
-
-
-_NEVER_NAMES = {
-    # random: replaying would draw new numbers
-    "uniform", "uniform_philox", "bernoulli", "randn", "rand", "rand_like", "randn_like", "randint",
-    "normal", "multinomial", "dropout", "get_and_update_rng_state", "get_rng_state", "set_rng_state",
-    # collectives and their futures
-    "all_gather", "all_reduce", "reduce_scatter", "broadcast", "wait", "synchronize", "send", "recv",
-    "torch_wait_prim_impl", "torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl",
-    "torch_all_reduce_prim_impl", "pack", "unpack", "update_bucket_view",
-    # in-place and side effects
-    "copy_", "copy_with_setitem", "print", "item",
-}
-_EXPENSIVE_NAMES = {
-    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "convolution", "conv1d", "conv2d",
-    "conv3d", "scaled_dot_product_attention", "softmax", "_softmax", "log_softmax", "_log_softmax",
-    "embedding", "cross_entropy",
-}
-# Leaves (normalized names) of the ops replayed at every budget, in groups that fuse.py reuses.
-ELEMENTWISE_LEAVES = frozenset({
-    "add", "sub", "mul", "div", "true_divide", "floor_divide", "neg", "abs", "exp", "exp2", "expm1",
-    "log", "log1p", "log2", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "erfc", "sin",
-    "cos", "pow", "maximum", "minimum", "clamp", "where", "eq", "ne", "lt", "le", "gt", "ge",
-    "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
-    "convert_element_type", "sign", "signbit", "fmod", "remainder", "floor", "ceil", "round", "trunc",
-    "silu", "gelu", "relu", "tril", "triu", "masked_fill",
-})
-VIEW_LEAVES = frozenset({  # move no data
-    "broadcast_in_dim", "reshape", "transpose", "slice", "slice_prim", "squeeze", "shallow_copy",
-    "expand", "unsqueeze", "permute", "split",
-})
-COPY_LEAVES = frozenset({"cat", "pad", "flip", "contiguous", "clone"})
-CREATION_LEAVES = frozenset({"iota", "full", "full_like", "zeros", "ones", "arange"})  # no randomness
-NORM_REDUCTION_LEAVES = frozenset({"var_mean", "sum", "amax", "amin", "mean", "var"})
-_CHEAP_LEAVES = ELEMENTWISE_LEAVES | VIEW_LEAVES | COPY_LEAVES | CREATION_LEAVES | NORM_REDUCTION_LEAVES
-
-
-def _normalized(name: str) -> str:
-    """``torch_slice_prim_impl`` -> ``slice``, ``torch_prims_reshape_impl`` -> ``reshape``."""
-    for prefix in ("torch_prims_", "torch_", "prims_"):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            break
-    for suffix in ("_prim_impl", "_impl"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    return name
-
-
-def leaf_names(bsym: BoundSymbol) -> list[str]:
-    """The normalized names of the innermost symbols a bound symbol decomposes into."""
-    if not bsym.subsymbols:
-        return [_normalized(bsym.sym.name)]
-    return [n for sub in bsym.subsymbols for n in leaf_names(sub)]
-
-
-def op_kind(bsym: BoundSymbol) -> OpKind:
-    """Whether a bound symbol may be replayed in the backward, and at which budgets."""
-    names = {_normalized(n) for n in op_names(bsym)} | set(op_names(bsym))
-    if names & _NEVER_NAMES or any("rng" in n or "random" in n for n in names):
-        return OpKind.NEVER
-    if any(p for p in bsym.flat_proxy_args if not isinstance(p, TensorProxy)):
-        # A number computed in the forward would not exist in the backward.
-        return OpKind.NEVER
-    if names & _EXPENSIVE_NAMES or any("sdpa" in n or "attention" in n or "flash" in n for n in names):
-        return OpKind.EXPENSIVE
-    if all(n in _CHEAP_LEAVES for n in leaf_names(bsym)):
-        return OpKind.CHEAP
-    return OpKind.NEVER
 
 
 def estimate_flops(bsym: BoundSymbol) -> int:
@@ -434,21 +354,33 @@ def replay_in_backward(
     producer = {o.name: b for b in replayed for o in b.flat_proxy_outs if hasattr(o, "name")}
     position = {id(b): i for i, b in enumerate(replayed)}
     emitted: set[int] = set()
+    # A fused backward can compute some forward values itself (Thunder splits a joint trace whose
+    # regions hold them): what it has computed by then is not replayed again.
+    available: set[str] = set()
     out: list[BoundSymbol] = []
     for bsym in new.bound_symbols:
-        for b in sorted(_replay_chain(bsym, producer, emitted), key=lambda b: position[id(b)]):
+        outs = [o.name for o in bsym.flat_proxy_outs if hasattr(o, "name")]
+        if outs and available.issuperset(outs) and op_kind(bsym) is OpKind.CHEAP:
+            continue  # the backward's own later copy of a value replayed already
+        for b in sorted(_replay_chain(bsym, producer, emitted, available), key=lambda b: position[id(b)]):
             emitted.add(id(b))
             out.append(b.from_bsym())
+            available.update(o.name for o in b.flat_proxy_outs if hasattr(o, "name"))
         out.append(bsym)
+        available.update(o.name for o in bsym.flat_proxy_outs if hasattr(o, "name"))
     return replace_bound_symbols(new, out, f"thunder_memopt {what}: replay in backward")
 
 
-def _replay_chain(bsym: BoundSymbol, producer: dict[str, BoundSymbol], emitted: set[int]) -> list[BoundSymbol]:
-    """The not-yet-emitted replayed symbols that ``bsym`` reads, transitively (futures included)."""
+def _replay_chain(
+    bsym: BoundSymbol, producer: dict[str, BoundSymbol], emitted: set[int], available: set[str]
+) -> list[BoundSymbol]:
+    """The not-yet-emitted replayed symbols that ``bsym`` reads, transitively (futures included),
+    short of what is ``available`` already."""
     chain: dict[int, BoundSymbol] = {}
-    stack = [a.name for a in bsym.flat_proxy_args if hasattr(a, "name")]
+    stack = [a.name for a in bsym.flat_proxy_args if hasattr(a, "name") and a.name not in available]
     while stack:
-        p = producer.get(stack.pop())
+        name = stack.pop()
+        p = None if name in available else producer.get(name)
         if p is None or id(p) in emitted or id(p) in chain:
             continue
         chain[id(p)] = p

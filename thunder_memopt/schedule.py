@@ -55,10 +55,10 @@ from thunder_memopt.memory import (
     storage_nbytes,
     storage_roots,
     strip_deletions,
-    symbols,
     tensor_args,
     tensor_outs,
 )
+from thunder_memopt.ops import SIDE_EFFECT_NAMES, is_collective, is_random, normalized, op_names, symbols
 
 __all__ = [
     "ScheduleGraph",
@@ -72,21 +72,8 @@ __all__ = [
 
 Order = list[int]
 
-# Op names as prims and ltorch call them; executors' ``torch_<name>_prim_impl`` are matched too.
-# Random ops: their relative order decides which numbers each one draws.
-_RANDOM_NAMES = {
-    "uniform", "uniform_philox", "bernoulli", "randn", "rand", "rand_like", "randn_like", "randint",
-    "normal", "multinomial", "dropout", "manual_seed",
-}
-# Collectives and their futures. The collectives pass placed them (just-in-time gathers, early
-# reduce-scatters), so they are fixed points: no op crosses one, and the schedule reorders between.
-_COLLECTIVE_NAMES = {
-    "all_gather", "all_reduce", "reduce_scatter", "broadcast", "wait", "synchronize", "send", "recv",
-    "synchronize_tensor_parallel_input", "synchronize_tensor_parallel_output", "pack", "unpack",
-    "pack_for_fsdp", "unpack_for_fsdp", "update_bucket_view", "stash_grad_for_fsdp",
-}
-# Effects outside the trace's tensors.
-_HOST_NAMES = {"print", "item", "put_grad", "sink"}
+# Collectives (thunder_memopt.ops) are fixed points: the collectives pass placed them (just-in-time
+# gathers, early reduce-scatters), so no op crosses one, and the schedule reorders between them.
 _SIDE_EFFECT_TAGS = {
     prims.OpTags.RANDOM_OP,
     prims.OpTags.DONT_DCE,
@@ -107,22 +94,12 @@ _CANDIDATES = 24
 _PRICING_BUDGET = 2_000_000
 
 
-def _base_name(sym) -> str:
-    return sym.name.removeprefix("torch_").removesuffix("_prim_impl")
-
-
-def is_collective(bsym: BoundSymbol) -> bool:
-    """Collectives, their futures and fsdp's bucketing, at any level of a bound symbol."""
-    return any(_base_name(sym) in _COLLECTIVE_NAMES for sym in symbols(bsym))
-
-
 def has_side_effects(bsym: BoundSymbol) -> bool:
     """Random, RNG-state, collective, in-place, sync or printing ops, at any level of a bound symbol."""
+    if is_random(bsym) or is_collective(bsym) or any("philox" in n for n in op_names(bsym)):
+        return True
     for sym in symbols(bsym):
-        name = _base_name(sym)
-        if name in _RANDOM_NAMES or name in _COLLECTIVE_NAMES or name in _HOST_NAMES:
-            return True
-        if "rng" in name or "random" in name or "philox" in name:
+        if normalized(sym.name) in SIDE_EFFECT_NAMES:
             return True
         if sym.tags and _SIDE_EFFECT_TAGS.intersection(sym.tags):
             return True

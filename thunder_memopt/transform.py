@@ -4,8 +4,11 @@ Thunder hands every transform the forward trace and then the backward trace of e
 function, after its own optimization and ``del_last_used``. The passes run there, in this order:
 
 1. ``recompute``: choose, by a min-cut over real tensor bytes, what the forward saves for backward,
-   and recompute the rest in the backward (thunder_memopt.recompute). On CUDA the replayed
-   elementwise stretches then run as compiled kernels (thunder_memopt.fuse).
+   and recompute the rest in the backward (thunder_memopt.recompute). Where thunder_memopt's fusion
+   executor is in the executor list, the pass takes its regions apart first, so that it cuts
+   between ops rather than regions, and fuses again after (thunder_memopt.executors.fusion): the
+   replayed ops in regions of their own, which the backward replays whole, so that replayed values
+   are the forward's bit for bit.
 2. ``collectives``: for thunder fsdp, just-in-time all-gathers, ZeRO-3 re-gathers in backward and
    early reduce-scatters (thunder_memopt.collectives).
 3. ``schedule``: reorder each trace (inference traces too) to lower its peak of live bytes
@@ -28,11 +31,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_memopt import collectives, fuse, recompute, schedule
-from thunder_memopt.memory import backward_storages, tensor_outs
+from thunder_memopt import collectives, recompute, schedule
+from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.memory import backward_storages, strip_deletions, tensor_args, tensor_outs
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
@@ -46,9 +51,11 @@ _LADDER_STEPS = 8
 class _Pending:
     """A forward's recompute plans, waiting for the backward that immediately follows it."""
 
-    original: TraceCtx  # the forward as Thunder handed it
+    original: TraceCtx  # the forward as Thunder handed it, its fusion regions taken apart
     plans: list[recompute.RecomputePlan]  # the default first
+    replays: list[BoundSymbol]  # what the backward replays for plans[0]: the forward's replay regions
     returned: TraceCtx  # the forward handed back to Thunder
+    fusion: InductorFusionExecutor | None  # the fusion executor in the executor list
 
 
 PASSES = ("recompute", "collectives", "schedule")
@@ -67,10 +74,10 @@ class MemoryOptimization(Transform):
         passes: which passes run, a subset of ``PASSES``.
         prefetch: all-gathers issued ahead of the one being waited on (thunder fsdp).
         zero3: save shards and re-gather in backward; None detects ``FSDPType.ZERO3``.
-        fuse_replays: compile each stretch of replayed elementwise ops in the backward into one
-            kernel (thunder_memopt.fuse). None does it when the tensors are on CUDA, where unfused
-            replays cost as much as the forward's LayerNorm, GELU and rotary again. Fused replays
-            change gradients in their last bits; False keeps them bit-identical to plain Thunder.
+
+    Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
+    replays run in the forward's compiled regions; with Thunder's executors alone (or
+    ``executors(fusion=False)``) every op runs as in plain Thunder, bit for bit.
     """
 
     def __init__(
@@ -80,7 +87,6 @@ class MemoryOptimization(Transform):
         passes: Sequence[str] = PASSES,
         prefetch: int = 2,
         zero3: bool | None = None,
-        fuse_replays: bool | None = None,
     ) -> None:
         if isinstance(activation_budget, bool) or not isinstance(activation_budget, (int, float)):
             raise TypeError(f"activation_budget must be a number in [0, 1], got {activation_budget!r}")
@@ -91,10 +97,6 @@ class MemoryOptimization(Transform):
         unknown = [p for p in passes if p not in PASSES]
         if unknown:
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
-        if fuse_replays not in (None, True, False):
-            raise TypeError(f"fuse_replays must be None, True or False, got {fuse_replays!r}")
-        self.fuse_replays = fuse_replays
-        self.fuse_results: list[fuse.FuseResult] = []
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
         self._pending: _Pending | None = None
@@ -106,36 +108,42 @@ class MemoryOptimization(Transform):
 
     def __repr__(self) -> str:
         return (
-            f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
-            f"fuse_replays={self.fuse_replays})"
+            f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
         )
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.BACKWARD not in computation_trace.tags:
             # Keep only the latest function's results: one instance serves every dynamo subgraph.
             self.schedule_results = []
-            self.fuse_results = []
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
-            return self._forward(computation_trace)
+            return self._forward(computation_trace, _fusion_executor(kwargs.get("executors_list", ())))
         if TraceTag.BACKWARD in computation_trace.tags:
             return self._backward(computation_trace)
         return self._schedule(computation_trace)
 
-    def _forward(self, trace: TraceCtx) -> TraceCtx:
+    def _forward(self, trace: TraceCtx, fusion: InductorFusionExecutor | None) -> TraceCtx:
         self._pending = None
-        recomputed, plans = trace, None
-        if "recompute" in self.passes:
+        if "recompute" not in self.passes:
+            out = self._after_recompute_forward(trace)
+            self._forward_returned = out
+            return out
+        flat = trace if fusion is None else fusion.unfuse(trace)
 
-            def plan_and_apply() -> tuple[list[recompute.RecomputePlan], TraceCtx]:
-                ladder = recompute.plan_ladder(trace, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS)
-                return ladder, recompute.apply_to_forward(trace, ladder[0])
+        def plan_and_apply() -> tuple[list[recompute.RecomputePlan], TraceCtx]:
+            ladder = recompute.plan_ladder(flat, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS)
+            return ladder, recompute.apply_to_forward(flat, ladder[0])
 
-            planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
-            if planned is not None:
-                plans, recomputed = planned
-        out = self._after_recompute_forward(recomputed)
-        if plans is not None:
-            self._pending = _Pending(original=trace, plans=plans, returned=out)
+        planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
+        fused = None
+        if planned is not None:
+            plans, recomputed = planned
+            fused = self._guarded("fusion", "this trace as Thunder fused it, without recompute",
+                                  lambda: _fuse_forward(recomputed, plans[0], fusion))
+        if fused is None:
+            out = self._after_recompute_forward(trace)
+        else:
+            out = self._after_recompute_forward(fused[0])
+            self._pending = _Pending(original=flat, plans=plans, replays=fused[1], returned=out, fusion=fusion)
         self._forward_returned = out
         return out
 
@@ -145,38 +153,31 @@ class MemoryOptimization(Transform):
             return self._after_recompute_backward(trace)
         # The forward was already changed; failing here would leave the pair inconsistent, so any
         # mismatch is an error rather than a silent fallback.
-        if len(pending.plans) == 1:
+        fusion = pending.fusion
+        flat = trace if fusion is None else fusion.unfuse(trace)
+        k, replays = 0, pending.replays
+        if len(pending.plans) > 1:
             with self._timed("recompute"):
-                backward = recompute.apply_to_backward(trace, pending.plans[0])
-            return self._after_recompute_backward(self._fuse(backward, pending.plans[0]))
-        with self._timed("recompute"):
-            k, forward, backward = recompute.choose_by_budget(
-                pending.plans, pending.original, trace, self.activation_budget
-            )
+                k, forward, _ = recompute.choose_by_budget(pending.plans, pending.original, flat, self.activation_budget)
         if k:
             # Thunder compiles the forward trace only after this hook returns (it calls every
             # transform on the forward, then the backward, then builds both callables), so the
             # forward handed back earlier can still take the chosen rung. Its schedule result
             # replaces the default rung's.
             self.schedule_results = []
-            chosen = self._after_recompute_forward(forward)
+            with self._timed("fusion"):
+                fused, replays = _fuse_forward(forward, pending.plans[k], fusion)
+            chosen = self._after_recompute_forward(fused)
             pending.returned.bound_symbols = chosen.bound_symbols
             pending.returned.scopes = [pending.returned.bound_symbols]
-        return self._after_recompute_backward(self._fuse(backward, pending.plans[k]))
-
-    def _fuse(self, backward: TraceCtx, plan: recompute.RecomputePlan) -> TraceCtx:
-        replayed = {o.name for b in plan.recompute for o in b.flat_proxy_outs if hasattr(o, "name")}
-        wanted = self.fuse_replays
-        if wanted is None:
-            wanted = fuse.can_fuse_on([o for b in plan.recompute for o in tensor_outs(b)])
-        if not wanted or not replayed:
-            return backward
-        # inductor compiles each function later, at its first call
-        result = self._guarded("fuse", "the replays unfused", lambda: fuse.fuse_replays(backward, replayed))
-        if result is None:
-            return backward
-        self.fuse_results.append(result)
-        return result.trace
+        plan = pending.plans[k]
+        with self._timed("recompute"):
+            backward = recompute.replay_in_backward(flat, key=plan.key, saved=plan.saved, replayed=replays,
+                                                    what="recompute")
+        if fusion is not None:
+            with self._timed("fusion"):
+                backward = fusion.refuse(backward)
+        return self._after_recompute_backward(backward)
 
     def _after_recompute_forward(self, trace: TraceCtx) -> TraceCtx:
         return self._schedule(self._collectives_forward(trace))
@@ -231,3 +232,35 @@ class MemoryOptimization(Transform):
             yield
         finally:
             self.pass_seconds[name] = self.pass_seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def _fusion_executor(executors_list: Sequence) -> InductorFusionExecutor | None:
+    return next((ex for ex in executors_list if isinstance(ex, InductorFusionExecutor)), None)
+
+
+def _fuse_forward(
+    forward: TraceCtx, plan: recompute.RecomputePlan, fusion: InductorFusionExecutor | None
+) -> tuple[TraceCtx, list[BoundSymbol]]:
+    """The forward, fused again with the replayed ops in regions of their own, and what the backward
+    replays: those regions (and the replayed symbols left outside any), in forward order.
+
+    A replay region also returns what the backward reads of it, so that the backward runs the very
+    function the forward ran."""
+    if fusion is None:
+        return forward, list(plan.recompute)
+    replayed = {o.name for b in plan.recompute for o in tensor_outs(b)}
+
+    def is_replayed(b: BoundSymbol) -> bool:
+        return any(o.name in replayed for o in tensor_outs(b))
+
+    def backward_reads(group: list[BoundSymbol]) -> list:
+        # The backward's own reads, and those of replayed ops in other regions.
+        inside = {id(b) for b in group}
+        read = set(plan.key) | {a.name for b in plan.recompute if id(b) not in inside for a in tensor_args(b)}
+        return [o for b in group if is_replayed(b) for o in tensor_outs(b) if o.name in read]
+
+    grouped = fusion.fusion_pass(strip_deletions(forward), label=is_replayed, keep_outputs=backward_reads)
+    # Taken before the rest is lowered: lowering may drop a replayed view from the forward (a
+    # ``shallow_copy`` becomes its input), which the backward still replays.
+    replays = [b for b in grouped.bound_symbols if tensor_outs(b) and all(o.name in replayed for o in tensor_outs(b))]
+    return fusion.lower_rest(grouped), replays

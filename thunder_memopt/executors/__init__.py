@@ -1,0 +1,63 @@
+"""thunder_memopt's executors, and the list that puts them in front of Thunder's defaults.
+
+    thunder.jit(model, executors=thunder_memopt.executors(), transforms=[MemoryOptimization()])
+
+- ``fusion_ex`` (executors/fusion.py): inductor regions for everything but matmuls, attention,
+  embeddings, random ops, collectives and in-place ops, on CUDA.
+- ``cudnn_attention_ex`` (executors/cudnn_attention.py): SDPA through torch's cuDNN kernels, where
+  cuDNN serves the inputs; Thunder's sdpa executor takes the rest.
+
+Where nvFuser is among the default executors, ``executors()`` leaves the fusion executor out:
+nvFuser fuses the same ops, and Thunder's rematerialization and our recompute pass both know its
+regions. Executors a user already lists (``torch_compile_ex``, ``torch_compile_cat_ex``) keep their
+place in front when the user puts them there; the fusion executor then gets what they leave.
+"""
+
+from __future__ import annotations
+
+import thunder
+from thunder.extend import Executor
+
+from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
+from thunder_memopt.executors.fusion import (
+    CompileStats,
+    InductorFusionExecutor,
+    compile_stats,
+    reset_compile_stats,
+)
+
+__all__ = [
+    "executors",
+    "fusion_ex",
+    "cudnn_attention_ex",
+    "cudnn_supports",
+    "InductorFusionExecutor",
+    "CompileStats",
+    "compile_stats",
+    "reset_compile_stats",
+]
+
+fusion_ex = InductorFusionExecutor("memopt_fusion", devices=("cuda",))
+thunder.extend.register_executor(fusion_ex)
+
+_NVFUSER = "nvfuser"
+
+
+def executors(*, fusion: bool = True, cudnn_attention: bool = True) -> list[Executor]:
+    """Thunder's default executors with thunder_memopt's in front.
+
+    Args:
+        fusion: the inductor fusion executor. False restores Thunder's own execution of every op, and
+            with it bit-identity with plain Thunder.
+        cudnn_attention: cuDNN attention where it serves the inputs (else Thunder's sdpa executor).
+    """
+    for name, value in (("fusion", fusion), ("cudnn_attention", cudnn_attention)):
+        if not isinstance(value, bool):
+            raise TypeError(f"thunder_memopt.executors: {name} must be True or False, got {value!r}")
+    defaults = list(thunder.get_default_executors())
+    ours: list[Executor] = []
+    if cudnn_attention:
+        ours.append(cudnn_attention_ex)
+    if fusion and not any(ex.name == _NVFUSER for ex in defaults):
+        ours.append(fusion_ex)
+    return [*ours, *(ex for ex in defaults if ex not in ours)]

@@ -1,0 +1,314 @@
+"""The fusion executor: everything but the heavy ops, compiled by inductor into one kernel per region.
+
+Without nvFuser, Thunder runs every decomposed op alone: each cast to fp32, each multiply of a
+LayerNorm, GELU or rotary embedding reads and writes a whole activation, and on an H200 that is half
+of a stablecode step. This executor claims the ops that ``thunder_memopt.ops.fusible_name`` admits
+(elementwise ops, casts, views, the norms' reductions, cat/pad, softmax and the cross-entropy's
+pieces) and never matmuls, attention, embeddings, random ops, collectives or in-place ops. Each
+maximal run of claimed ops becomes a region compiled by ``torch.compile`` (inductor), as Thunder's
+``torch_compile_ex`` does, with inductor's eager-numerics options (no elision of bf16/fp32 round
+trips, correctly rounded division, no flushing of denormals), so that fused code rounds as close to
+ATen's one-op-at-a-time code as inductor can.
+
+Regions with the same ops on the same shapes (every layer's) share one compiled function, so the
+first step compiles each kind of region once; ``compile_stats()`` reports how many and how long.
+
+With MemoryOptimization the recompute pass works on the ops, not on the regions: the transform
+takes the regions apart (``unfuse``), chooses what to save, and fuses again (``refuse``) with the
+replayed ops in regions of their own, whose outputs include what the backward reads. The backward
+then replays those very regions, so replayed values equal the forward's bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from thunder.core import prims, utils
+from thunder.core.codeutils import SigInfo
+from thunder.core.proxies import Proxy, ProxyInterface, TensorProxy, unvariableify, variableify
+from thunder.core.pytree import tree_flatten
+from thunder.core.symbol import BoundSymbol, Symbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+from thunder.executors.torch_compile import TorchCompileExecutor
+from thunder.executors.torchex import ex as pytorch_ex
+from thunder.executors.utils import Region
+from thunder.extend import ImplInfo
+
+from thunder_memopt.memory import replace_bound_symbols, strip_deletions
+from thunder_memopt.ops import fusible_name, leaf_names, moves_data
+
+__all__ = ["EAGER_NUMERICS", "CompileStats", "InductorFusionExecutor", "compile_stats", "reset_compile_stats"]
+
+# Inductor options that bring fused code closest to ATen's one-op-at-a-time rounding.
+EAGER_NUMERICS = {
+    "emulate_precision_casts": True,
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+}
+
+Label = Callable[[BoundSymbol], Hashable]
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """The compiled functions behind every fusion region built so far in this process."""
+
+    functions: int  # distinct compiled functions
+    compiled: int  # of those, compiled (called at least once)
+    compile_seconds: float  # time of their first calls, compilation included
+
+
+class _CompiledRegion:
+    """A region's ``torch.compile`` function; its first call, which compiles it, is timed."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.seconds: float | None = None
+
+    def __call__(self, *args):
+        if self.seconds is not None:
+            return self.fn(*args)
+        start = time.perf_counter()
+        out = self.fn(*args)
+        self.seconds = time.perf_counter() - start
+        return out
+
+
+# Compiled functions by their region's canonical ops and their inputs' metadata, so that every layer's
+# identical region (and every later compilation of the same model) reuses one.
+_compiled_functions: dict[tuple, _CompiledRegion] = {}
+_region_numbers = itertools.count()
+
+
+def compile_stats() -> CompileStats:
+    done = [f.seconds for f in _compiled_functions.values() if f.seconds is not None]
+    return CompileStats(len(_compiled_functions), len(done), sum(done))
+
+
+def reset_compile_stats() -> None:
+    """Forget every compiled region (the next use compiles again)."""
+    _compiled_functions.clear()
+
+
+class InductorFusionExecutor(TorchCompileExecutor):
+    """A ``FusionExecutor`` that compiles regions of cheap ops with inductor.
+
+    Args:
+        name: the executor's name.
+        devices: device types whose tensors it claims; inductor generates Triton for CUDA and C++ for
+            CPU (the tests force CPU, where fused C++ code rounds differently from ATen's).
+    """
+
+    def __init__(self, name: Hashable, *, devices: Sequence[str] = ("cuda",)) -> None:
+        super().__init__(name)
+        self.devices = frozenset(devices)
+        checker = functools.partial(_on_devices, self.devices)
+        self._implmap = {
+            op: ImplInfo(checker=checker) for op, impl in pytorch_ex.implmap.items() if fusible_name(_op_name(op, impl))
+        }
+
+    def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
+        inputs = [unvariableify(x) for x in region.inputs]
+        outputs = [unvariableify(x) for x in region.outputs]
+        # Unique in the process, not per trace: the backward runs the forward's replay regions
+        # beside its own, and a trace's call context is keyed by these names.
+        name = f"MemoptFusion{next(_region_numbers)}"
+        fn = _compiled(list(region.bound_symbols), inputs, outputs)
+        sym = Symbol(name, meta=functools.partial(_outputs_like, tuple(outputs)), is_fusion=True, executor=self)
+        return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(region.bound_symbols), _call_ctx={name: fn})
+
+    def fusion_pass(self, trace: TraceCtx, label: Label | None = None,
+                    keep_outputs: Callable[[list[BoundSymbol]], Sequence[Proxy]] | None = None) -> TraceCtx:
+        """Each run of claimed symbols as one region. ``label`` keeps symbols of different labels in
+        different regions (each run of claimed symbols is first ordered so that each label's symbols
+        stand together);
+        ``keep_outputs`` names, for a region's symbols, outputs to return besides those read after
+        it. Regions of views alone are left to the torch executor."""
+        start = time.perf_counter_ns()
+        claimed = [self._claims(b) for b in trace.bound_symbols]
+        bsyms = _grouped_by_label(trace.bound_symbols, claimed, label)
+        ordered = from_trace(trace)
+        ordered.bound_symbols = bsyms
+        producers, consumers = utils.producers_and_consumers(ordered)
+        claimed_ids = {id(b) for b, c in zip(trace.bound_symbols, claimed) if c}
+
+        def key(b: BoundSymbol) -> Hashable:
+            return None if label is None else label(b)
+
+        groups: list[list[BoundSymbol]] = []
+        for b in bsyms:
+            if id(b) in claimed_ids and groups and id(groups[-1][0]) in claimed_ids and key(groups[-1][0]) == key(b):
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        fused: list[BoundSymbol] = []
+        counter = 0
+        for group in groups:
+            if not (id(group[0]) in claimed_ids and any(moves_data(b) for b in group)):
+                fused.extend(group)
+                continue
+            region = Region(producers, consumers, group)
+            if keep_outputs is not None:
+                _add_outputs(region, keep_outputs(group))
+            fused.append(self.fuse(region, counter))
+            counter += 1
+        out = from_trace(trace)
+        out.bound_symbols = fused
+        elapsed_ms = (time.perf_counter_ns() - start) // 1_000_000
+        out.set_provenance(TraceProvenance(f"thunder_memopt fusion: {counter} inductor regions (took {elapsed_ms} ms)"))
+        return out
+
+    def _claims(self, bsym: BoundSymbol) -> bool:
+        """What this executor claims, and the torch executor's lowering of it: a trace fused again
+        holds the views that an earlier pass left outside regions and lowered."""
+        if self.can_fuse(bsym):
+            return True
+        return (getattr(bsym.sym, "executor", None) is pytorch_ex and bool(bsym.subsymbols)
+                and all(fusible_name(n) for n in leaf_names(bsym)) and _on_devices(self.devices, *bsym.flat_proxy_args))
+
+    def is_own_fusion(self, bsym: BoundSymbol) -> bool:
+        return bsym.sym.is_fusion and bsym.sym.executor is self
+
+    def unfuse(self, trace: TraceCtx) -> TraceCtx:
+        """The trace with this executor's regions replaced by the symbols they hold."""
+        out = from_trace(trace)
+        out.bound_symbols = [s for b in trace.bound_symbols for s in (b.subsymbols if self.is_own_fusion(b) else (b,))]
+        out.set_provenance(TraceProvenance("thunder_memopt fusion: regions taken apart"))
+        return out
+
+    def refuse(self, trace: TraceCtx) -> TraceCtx:
+        """``fusion_pass`` over a trace that holds unfused claimed symbols (after ``unfuse``), then the
+        rest lowered as Thunder's ``transform_for_execution`` does (``lower_rest``)."""
+        return self.lower_rest(self.fusion_pass(strip_deletions(trace)))
+
+    def lower_rest(self, trace: TraceCtx) -> TraceCtx:
+        """The claimed symbols a fusion pass left outside regions, given to the torch executor;
+        deletions placed anew."""
+        from thunder.executors.passes import _transform_for_operator_executor_execution
+        from thunder.extend import get_always_executors
+
+        lowered = _transform_for_operator_executor_execution(trace, get_always_executors())
+        return replace_bound_symbols(lowered, lowered.bound_symbols, "thunder_memopt fusion: regions rebuilt")
+
+
+def _op_name(op, impl: ImplInfo) -> str:
+    return op if isinstance(op, str) else op.name
+
+
+def _on_devices(devices: frozenset[str], *args, **kwargs) -> bool:
+    flat, _ = tree_flatten((args, kwargs))
+    tensors = [t for t in flat if isinstance(t, TensorProxy)]
+    return bool(tensors) and all(t.device.type in devices for t in tensors)
+
+
+def _grouped_by_label(bsyms: Sequence[BoundSymbol], claimed: Sequence[bool], label: Label | None) -> list[BoundSymbol]:
+    """``bsyms`` with each maximal run of claimed symbols reordered, dependencies kept, so that symbols
+    of one label stand together: fewer, larger regions when labels interleave."""
+    if label is None:
+        return list(bsyms)
+    out: list[BoundSymbol] = []
+    run: list[BoundSymbol] = []
+
+    def flush() -> None:
+        produced = {o.name: i for i, b in enumerate(run) for o in b.flat_proxy_outs if hasattr(o, "name")}
+        deps = [{produced[a.name] for a in b.flat_proxy_args if getattr(a, "name", None) in produced} - {i}
+                for i, b in enumerate(run)]
+        done: set[int] = set()
+        current = label(run[0]) if run else None
+        while len(done) < len(run):
+            ready = [i for i in range(len(run)) if i not in done and deps[i] <= done]
+            same = [i for i in ready if label(run[i]) == current]
+            i = (same or ready)[0]
+            current = label(run[i])
+            done.add(i)
+            out.append(run[i])
+        run.clear()
+
+    for b, c in zip(bsyms, claimed):
+        if c:
+            run.append(b)
+            continue
+        flush()
+        out.append(b)
+    flush()
+    return out
+
+
+def _add_outputs(region: Region, extra: Sequence[Proxy]) -> None:
+    produced = {o.name for b in region.bound_symbols for o in b.flat_proxy_outs if hasattr(o, "name")}
+    order = {o.name: i for i, b in enumerate(region.bound_symbols) for o in b.flat_proxy_outs if hasattr(o, "name")}
+    outputs = {unvariableify(v).name: v for v in region.outputs}
+    for p in extra:
+        if p.name in produced:
+            outputs.setdefault(p.name, variableify(p))
+    region.outputs = utils.OrderedSet(sorted(outputs.values(), key=lambda v: order[unvariableify(v).name]))
+
+
+def _outputs_like(outputs: tuple[TensorProxy, ...], *args) -> tuple[TensorProxy, ...]:
+    """The fusion's meta, for checks that re-trace a trace (``check_trace``): fixed shapes."""
+    return tuple(TensorProxy(like=o) if isinstance(o, TensorProxy) else o for o in outputs)
+
+
+def _compiled(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Proxy]) -> _CompiledRegion:
+    key = (_canonical(region, inputs, outputs), tuple(_metadata(a) for a in inputs))
+    fn = _compiled_functions.get(key)
+    if fn is None:
+        from thunder.executors.torchex import no_autocast
+
+        source = _region_trace(region, inputs, outputs).python_callable(include_decorators=False)
+        compiled = torch.compile(source, fullgraph=True, dynamic=False, options=EAGER_NUMERICS)
+        # Outside the compiled function, as torch_compile_ex does: dynamo would guard on them.
+        fn = _compiled_functions[key] = _CompiledRegion(torch.no_grad()(no_autocast(compiled)))
+    return fn
+
+
+def _metadata(p: Proxy) -> tuple:
+    if isinstance(p, TensorProxy):
+        return (tuple(p.shape), str(p.dtype), str(p.device))
+    return (type(p).__name__,)
+
+
+def _region_trace(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Proxy]) -> TraceCtx:
+    """A trace of the region alone, lowered to the torch executor, to compile. Thunder's
+    ``torch_compile.make_compiled`` builds the same but compiles it itself, without a way to pass
+    inductor options (EAGER_NUMERICS)."""
+    from thunder.executors.passes import transform_for_execution
+
+    trace = TraceCtx(None)
+    trace.args = inputs
+    trace.kwargs = {}
+    trace.names = {a.name for a in inputs}
+    with tracectx(trace):
+        for a in inputs:
+            prims.unpack_trivial(a, name=a.name)
+    trace.bound_symbols += [b.from_bsym() for b in region]
+    trace.bound_symbols.append(prims.python_return.bind(outputs, output=None))
+    for b in region:
+        for o in (*b.flat_outs, *(o for s in b.subsymbols for o in s.flat_outs)):
+            if o is not None and hasattr(o, "name"):
+                trace.names.add(o.name)
+    trace._siginfo = SigInfo("memopt_region")
+    trace._siginfo.args = [(a.name, None) for a in inputs]
+    return transform_for_execution(trace, executors_list=(pytorch_ex,))
+
+
+def _canonical(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Proxy]) -> tuple:
+    """The region's ops and arguments, with proxies named by their order of appearance."""
+    ids: dict[str, int] = {a.name: i for i, a in enumerate(inputs)}
+
+    def leaf(x):
+        if isinstance(x, ProxyInterface) and hasattr(x, "name"):
+            return ("proxy", ids.setdefault(x.name, len(ids)))
+        return repr(x)
+
+    ops = []
+    for b in region:
+        flat_args, _ = tree_flatten((b.args, b.kwargs))
+        flat_outs, _ = tree_flatten(b.output)
+        ops.append((str(b.sym.id), tuple(map(leaf, flat_args)), tuple(map(leaf, flat_outs))))
+    return tuple(ops), tuple(ids[o.name] for o in outputs)

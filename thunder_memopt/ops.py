@@ -1,0 +1,182 @@
+"""The op taxonomy: which ops are elementwise, views, copies, reductions, expensive, random,
+collectives or side-effecting, read by every pass and by both executors.
+
+A bound symbol is classified by the names of its whole decomposition, normalized so that the
+executor symbol (``torch_slice_prim_impl``), the ltorch symbol (``torch.nn.functional.gelu``) and the
+prim (``PrimIDs.SLICE``) of one op get one name. Thunder's ``prims.OpTags`` are read where they say
+more than a name: an op tagged ``RANDOM_OP`` is random, ``IN_PLACE`` or ``DONT_DCE`` has side effects,
+``MATMUL_OP`` is expensive, whatever its name.
+
+Classes:
+- ``OpKind`` for the recompute pass: CHEAP ops are replayed at any budget, EXPENSIVE ones (matmuls,
+  attention, softmax, embedding, cross-entropy) only below budget 1.0, NEVER ones are always saved.
+- ``fusible_name``: what the fusion executor may compile into a region (thunder_memopt.executors).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol, Symbol
+
+__all__ = [
+    "OpKind",
+    "op_kind",
+    "symbols",
+    "op_names",
+    "normalized",
+    "leaf_names",
+    "moves_data",
+    "fusible_name",
+    "is_random",
+    "is_collective",
+    "RANDOM_NAMES",
+    "COLLECTIVE_NAMES",
+    "SIDE_EFFECT_NAMES",
+    "ELEMENTWISE",
+    "VIEWS",
+    "COPIES",
+    "CREATION",
+    "NORM_REDUCTIONS",
+    "SOFTMAX_AND_LOSS",
+    "MATMULS",
+    "ATTENTION",
+    "EMBEDDING",
+]
+
+# Replaying would draw new numbers.
+RANDOM_NAMES = frozenset({
+    "uniform", "uniform_philox", "bernoulli", "randn", "rand", "rand_like", "randn_like", "randint",
+    "normal", "multinomial", "dropout", "get_and_update_rng_state", "get_rng_state", "set_rng_state",
+    "manual_seed",
+})
+# Collectives and their futures.
+COLLECTIVE_NAMES = frozenset({
+    "all_gather", "all_reduce", "reduce_scatter", "broadcast", "wait", "synchronize", "send", "recv",
+    "pack", "unpack", "update_bucket_view", "pack_for_fsdp", "unpack_for_fsdp", "stash_grad_for_fsdp",
+    "synchronize_tensor_parallel_input", "synchronize_tensor_parallel_output",
+})
+# In-place ops and ops that act on the host.
+SIDE_EFFECT_NAMES = frozenset({"copy_", "copy_with_setitem", "print", "item", "put_grad", "sink"})
+
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "true_divide", "floor_divide", "neg", "abs", "exp", "exp2", "expm1",
+    "log", "log1p", "log2", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "erfc", "sin",
+    "cos", "pow", "maximum", "minimum", "clamp", "where", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
+    "convert_element_type", "to", "type_as", "sign", "signbit", "fmod", "remainder", "floor", "ceil",
+    "round", "trunc", "silu", "gelu", "relu", "tril", "triu", "masked_fill", "softplus",
+})
+VIEWS = frozenset({  # move no data
+    "broadcast_in_dim", "reshape", "transpose", "slice", "slice_prim", "squeeze", "shallow_copy",
+    "expand", "unsqueeze", "permute", "split", "chunk", "view", "view_as", "flatten", "movedim",
+    "__getitem__", "getitem", "unbind",
+})
+COPIES = frozenset({"cat", "stack", "pad", "flip", "contiguous", "clone"})
+CREATION = frozenset({"iota", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "arange"})
+NORM_REDUCTIONS = frozenset({"var_mean", "sum", "amax", "amin", "mean", "var"})
+SOFTMAX_AND_LOSS = frozenset({
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "log_softmax_backward", "logsumexp",
+    "nll_loss", "nll_loss_backward", "cross_entropy", "take_along_dim", "take_along_axis", "gather",
+})
+MATMULS = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "convolution", "conv1d", "conv2d",
+    "conv3d", "_grouped_mm", "grouped_mm",
+})
+ATTENTION = frozenset({"scaled_dot_product_attention"})
+EMBEDDING = frozenset({"embedding", "embedding_backward"})
+
+_CHEAP = ELEMENTWISE | VIEWS | COPIES | CREATION | NORM_REDUCTIONS
+_EXPENSIVE = MATMULS | ATTENTION | EMBEDDING | SOFTMAX_AND_LOSS
+# Ops the fusion executor compiles. Softmax and the loss pieces fuse (inductor's online softmax);
+# matmuls, attention and embeddings keep their library kernels.
+_FUSIBLE = ELEMENTWISE | VIEWS | COPIES | CREATION | NORM_REDUCTIONS | SOFTMAX_AND_LOSS
+_ATTENTION_SUBSTRINGS = ("sdpa", "attention", "flash")
+
+
+class OpKind(enum.Enum):
+    CHEAP = "cheap"  # replayed at any budget
+    EXPENSIVE = "expensive"  # replayed only below budget 1.0
+    NEVER = "never"  # always saved
+
+
+def symbols(bsym: BoundSymbol) -> Iterator[Symbol]:
+    """The symbol of a bound symbol and those of its whole decomposition, outermost first."""
+    yield bsym.sym
+    for sub in bsym.subsymbols:
+        yield from symbols(sub)
+
+
+def op_names(bsym: BoundSymbol) -> tuple[str, ...]:
+    """The names of a bound symbol and of its decomposition, outermost first."""
+    return tuple(sym.name for sym in symbols(bsym))
+
+
+def normalized(name: str) -> str:
+    """One name per op: ``torch_slice_prim_impl`` -> ``slice``, ``torch_prims_reshape_impl`` ->
+    ``reshape``, ``torch.nn.functional.gelu`` -> ``gelu``, ``PrimIDs.VAR_MEAN`` -> ``var_mean``."""
+    name = name.rsplit(".", 1)[-1].lower()
+    for prefix in ("torch_prims_", "torch_", "prims_", "ltorch_"):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    for suffix in ("_prim_impl", "_impl"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return name
+
+
+def leaf_names(bsym: BoundSymbol) -> list[str]:
+    """The normalized names of the innermost symbols a bound symbol decomposes into."""
+    if not bsym.subsymbols:
+        return [normalized(bsym.sym.name)]
+    return [n for sub in bsym.subsymbols for n in leaf_names(sub)]
+
+
+def _tags(bsym: BoundSymbol) -> set:
+    return {t for sym in symbols(bsym) for t in (getattr(sym, "tags", None) or ())}
+
+
+def _names(bsym: BoundSymbol) -> set[str]:
+    raw = op_names(bsym)
+    return {normalized(n) for n in raw} | set(raw)
+
+
+def is_random(bsym: BoundSymbol) -> bool:
+    names = _names(bsym)
+    return (prims.OpTags.RANDOM_OP in _tags(bsym) or bool(names & RANDOM_NAMES)
+            or any("rng" in n or "random" in n for n in names))
+
+
+def is_collective(bsym: BoundSymbol) -> bool:
+    return bool(_names(bsym) & COLLECTIVE_NAMES)
+
+
+def op_kind(bsym: BoundSymbol) -> OpKind:
+    """Whether a bound symbol may be replayed in the backward, and at which budgets."""
+    names, tags = _names(bsym), _tags(bsym)
+    if is_random(bsym) or is_collective(bsym) or names & SIDE_EFFECT_NAMES or prims.OpTags.IN_PLACE in tags:
+        return OpKind.NEVER
+    if any(p for p in bsym.flat_proxy_args if not isinstance(p, TensorProxy)):
+        # A number computed in the forward would not exist in the backward.
+        return OpKind.NEVER
+    if names & _EXPENSIVE or prims.OpTags.MATMUL_OP in tags or any(s in n for n in names for s in _ATTENTION_SUBSTRINGS):
+        return OpKind.EXPENSIVE
+    if all(n in _CHEAP for n in leaf_names(bsym)):
+        return OpKind.CHEAP
+    return OpKind.NEVER
+
+
+def moves_data(bsym: BoundSymbol) -> bool:
+    """Whether any step of the bound symbol reads and writes memory (not only views)."""
+    return any(n not in VIEWS for n in leaf_names(bsym))
+
+
+def fusible_name(name: str) -> bool:
+    """Whether an op of this (symbol or id) name may run in a fusion region."""
+    n = normalized(name)
+    return n in _FUSIBLE and n not in RANDOM_NAMES and n not in SIDE_EFFECT_NAMES
