@@ -599,15 +599,21 @@ def read_json(path: Path) -> dict | None:
 
 
 def git_tree_hash(directory: Path) -> str:
-    """The git tree object id of a flat directory of .py files, computed from the files themselves:
-    ``git rev-parse COMMIT:thunder_memopt`` names the commit whose package a row ran, even where the
-    copy that ran it has stale or no git metadata."""
-    entries = b""
-    for path in sorted(directory.glob("*.py"), key=lambda p: p.name.encode()):
-        content = path.read_bytes()
-        blob = hashlib.sha1(b"blob %d\0" % len(content) + content).digest()
-        entries += b"100644 " + path.name.encode() + b"\0" + blob
-    return hashlib.sha1(b"tree %d\0" % len(entries) + entries).hexdigest()
+    """The git tree object id of a directory of .py files (subpackages included), computed from the
+    files themselves: ``git rev-parse COMMIT:thunder_memopt`` names the commit whose package a row
+    ran, even where the copy that ran it has stale or no git metadata."""
+    entries = []
+    for path in directory.iterdir():
+        if path.is_file() and path.suffix == ".py":
+            content = path.read_bytes()
+            blob = hashlib.sha1(b"blob %d\0" % len(content) + content).digest()
+            entries.append((path.name.encode(), b"100644 " + path.name.encode() + b"\0" + blob))
+        elif path.is_dir() and any(path.rglob("*.py")):
+            tree = bytes.fromhex(git_tree_hash(path))
+            # git orders a tree's entries by name, a directory's name as if it ended in "/".
+            entries.append((path.name.encode() + b"/", b"40000 " + path.name.encode() + b"\0" + tree))
+    body = b"".join(entry for _, entry in sorted(entries))
+    return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
 
 
 def describe_environment() -> dict:
