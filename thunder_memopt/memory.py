@@ -76,10 +76,12 @@ _VIEW_PRIM_IDS = {
     prims.PrimIDs.RESHAPE: "reshape",
     prims.PrimIDs.SHALLOW_COPY: "shallow_copy",
 }
-# Executor symbols that implement a view prim with the prim's own signature; distributed ``wait``.
+# The torch executor's symbols that implement a view prim with the prim's own signature (its other
+# view prims become torch ops, read through their decomposition); distributed ``wait``.
 _VIEW_PRIM_IMPLS = {
     "torch_slice_prim_impl": "slice",
     "torch_prims_reshape_impl": "reshape",
+    "shallow_copy": "shallow_copy",
     "torch_wait_prim_impl": "wait",
     "wait": "wait",
 }
