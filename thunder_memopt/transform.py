@@ -25,9 +25,10 @@ subgraphs, and this keeps their forward/backward pairs apart.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -88,12 +89,17 @@ class MemoryOptimization(Transform):
         prefetch: int = 2,
         zero3: bool | None = None,
     ) -> None:
-        if isinstance(activation_budget, bool) or not isinstance(activation_budget, (int, float)):
+        if isinstance(activation_budget, bool) or not isinstance(activation_budget, numbers.Real):
             raise TypeError(f"activation_budget must be a number in [0, 1], got {activation_budget!r}")
         if not 0.0 <= float(activation_budget) <= 1.0:
             raise ValueError(f"activation_budget must be in [0, 1], got {activation_budget}")
-        if isinstance(passes, str):
-            raise TypeError(f"passes must be a sequence of pass names, got the string {passes!r}")
+        if isinstance(passes, str) or not isinstance(passes, Iterable):
+            raise TypeError(f"passes must be a sequence of pass names from {list(PASSES)}, got {passes!r}")
+        passes = tuple(passes)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
+            raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if zero3 is not None and not isinstance(zero3, bool):
+            raise TypeError(f"zero3 must be None, True or False, got {zero3!r}")
         unknown = [p for p in passes if p not in PASSES]
         if unknown:
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
