@@ -1,4 +1,5 @@
-"""Train a litgpt model under thunder.jit with MemoryOptimization, on a GPU or, without one, on CPU.
+"""Train a litgpt model under thunder.jit with thunder_memopt's executors and MemoryOptimization, on
+a GPU or, without one, on CPU (where the fusion executor, CUDA's, claims nothing).
 
     python examples/jit_single_device.py --model-name pythia-160m --n-layer 4 --steps 5
 """
@@ -9,7 +10,7 @@ import time
 import thunder
 import torch
 
-from thunder_memopt import MemoryOptimization
+from thunder_memopt import MemoryOptimization, executors
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 
@@ -28,7 +29,7 @@ def main() -> None:
     # On CPU the model is narrowed to width 256 so that it runs anywhere.
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=None if on_gpu else 256, block_size=block_size)
     model = build_model(cfg, device=device)
-    jitted = thunder.jit(model, transforms=[MemoryOptimization(activation_budget=args.budget)])
+    jitted = thunder.jit(model, executors=executors(), transforms=[MemoryOptimization(activation_budget=args.budget)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
     for step in range(args.steps):

@@ -57,8 +57,11 @@ def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
         assert all(row[field] is None for field in benchmark_fsdp2.MEMORY_FIELDS)
         assert row["profile"]["top_cpu_ms"] and row["profile"]["gpu_busy_fraction"] is None
     assert rows[-1]["budget"] == 1.0
-    # The passes' compile-time cost is reported; on CPU nothing is fused by default.
-    assert set(rows[-1]["memopt_pass_s"]) == {"recompute", "collectives", "schedule"}
+    # The passes' compile-time cost is reported; on CPU the fusion executor (CUDA's) claims nothing,
+    # and the transform still takes its (absent) regions apart and fuses again.
+    assert set(rows[-1]["memopt_pass_s"]) == {"recompute", "fusion", "collectives", "schedule"}
+    assert rows[-1]["executors"][:2] == ["memopt_cudnn_attention", "memopt_fusion"]
+    assert rows[-1]["fusion_functions"] == 0
     assert all(seconds >= 0 for seconds in rows[-1]["memopt_pass_s"].values())
 
 
@@ -221,20 +224,22 @@ def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
 
 def test_resume_takes_rows_written_before_later_options():
     """--resume on the committed files must not measure again an eager row written before --autocast
-    and --memopt-fuse-replays existed, but must measure again a thunder+memopt row of that time,
-    whose replays ran unfused."""
+    and --fusion existed, but must measure again a thunder+memopt row of that time, which ran on
+    Thunder's executors alone."""
     trial = _stablecode_trial()
     memopt = dataclasses.replace(trial, backend="thunder+memopt", budget=1.0)
     before_options = {"row_type": "run", **trial.resume_key()}
-    for added_later in ("autocast", "fuse_replays"):
+    for added_later in ("autocast", "fusion"):
         del before_options[added_later]
     assert benchmark_fsdp2.same_measurement(before_options, {"row_type": "run", **trial.resume_key()})
-    memopt_before = {**before_options, "backend": "thunder+memopt", "budget": 1.0}
+    memopt_before = {**before_options, "backend": "thunder+memopt", "budget": 1.0, "fuse_replays": "auto"}
     assert not benchmark_fsdp2.same_measurement(memopt_before, {"row_type": "run", **memopt.resume_key()})
     memopt_now = {"row_type": "run", **memopt.resume_key()}
     assert benchmark_fsdp2.same_measurement(memopt_now, {"row_type": "run", **memopt.resume_key()})
-    assert not benchmark_fsdp2.same_measurement(memopt_now, {"row_type": "run", **dataclasses.replace(
-        memopt, fuse_replays="off").resume_key()})
+    for backend in benchmark_fsdp2.EXECUTOR_BACKENDS:
+        now = {"row_type": "run", **dataclasses.replace(memopt, backend=backend).resume_key()}
+        assert not benchmark_fsdp2.same_measurement(now, {"row_type": "run", **dataclasses.replace(
+            memopt, backend=backend, fusion="off").resume_key()})
 
 
 @pytest.mark.parametrize("backend", ["eager", "thunder"])
@@ -278,22 +283,27 @@ def test_summary_has_a_row_per_backend_and_a_column_per_block_size():
                          "| eager | 1.00 / 10 | OOM |", "| thunder | 3.00 / 20 | – |"]
 
 
-def test_summary_puts_defaults_first_and_latest_code_leaves_out_unfused_rows(tmp_path, capsys):
-    """Within a backend the summary lists the default settings, then budgets falling; --latest-code
-    drops thunder+memopt rows from before fuse_replays existed, and the plot does not split rows
-    written before a field existed from rows that hold its old value."""
+def test_summary_puts_defaults_first_and_latest_code_leaves_out_rows_before_the_executors(tmp_path, capsys):
+    """Within a backend the summary lists the default settings, then budgets falling, then other
+    execution; --latest-code drops thunder+memopt rows from before thunder_memopt's executors, and
+    the plot does not split rows written before a field existed from rows that hold its old value."""
     row = {**TABLE_ROW, "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}
-    memopt = {**row, "backend": "thunder+memopt", "fuse_replays": "auto", "autocast": False}
+    memopt = {**row, "backend": "thunder+memopt", "fusion": "on", "autocast": False}
     rows = [{**row, "backend": "thunder+memopt", "budget": 1.0},  # first session: no fuse_replays, no autocast
+            {**row, "backend": "thunder+memopt", "budget": 1.0, "fuse_replays": "auto", "autocast": False},
             {**memopt, "budget": 0.0}, {**memopt, "budget": 1.0, "memopt_passes": ["recompute"]},
-            {**memopt, "budget": 0.5}, {**memopt, "budget": 1.0}, {**row, "backend": "thunder", "budget": None}]
+            {**memopt, "budget": 0.5}, {**memopt, "budget": 1.0}, {**memopt, "budget": 1.0, "fusion": "off"},
+            {**row, "backend": "thunder", "budget": None}, {**row, "backend": "thunder+fusion", "fusion": "on"}]
     results = tmp_path / "rows.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     labels = [line.split(" | ")[0] for line in make_table.summary(rows).splitlines()[4:]]
-    assert labels == ["| thunder", "| thunder+memopt @1", "| thunder+memopt @0.5", "| thunder+memopt @0",
-                      "| thunder+memopt @1 [recompute]", "| thunder+memopt @1 [unfused replays]"]
+    assert labels == ["| thunder", "| thunder+fusion", "| thunder+memopt @1", "| thunder+memopt @0.5",
+                      "| thunder+memopt @0", "| thunder+memopt @1 [recompute]",
+                      "| thunder+memopt @1 [unfused replays]", "| thunder+memopt @1 [fused replays]",
+                      "| thunder+memopt @1 [fusion off]"]
     make_table.main([str(results), "--summary", "--latest-code", "--plot", str(tmp_path / "plot.png")])
-    assert "unfused" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "replays" not in out and "fusion off" in out
     assert make_table.varying_fields(rows) == []
 
 

@@ -1,0 +1,155 @@
+"""thunder_memopt's executors (thunder_memopt.executors): the inductor fusion executor, forced onto
+CPU where inductor's C++ backend serves, with and without MemoryOptimization; the cuDNN attention
+executor's checker; the executor list's nvFuser guard; the torch.compile backend's defaults."""
+
+import pytest
+import thunder
+import torch
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+from thunder.dev_utils.check_trace import check_trace
+from thunder.extend import FusionExecutor
+
+import thunder_memopt.transform as transform_module
+from _train import assert_same_numerics, train_step
+from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
+from thunder_memopt.executors import InductorFusionExecutor, cudnn_attention_ex, cudnn_supports, fusion_ex
+
+STABLECODE = "stablecode-completion-alpha-3b"
+# Inductor's C++ code rounds differently from ATen's kernels (the norms' reductions run in another
+# order): each gradient within a few bf16 epsilons (7.8e-3) of plain Thunder's, in norm.
+GRAD_RELATIVE_ERROR = 2e-2
+CPU_FUSION = InductorFusionExecutor("memopt_fusion_test_cpu", devices=("cpu",))
+
+
+def _cpu_executors():
+    return [CPU_FUSION, *thunder.get_default_executors()]
+
+
+def _regions(trace):
+    return [b for b in trace.bound_symbols if CPU_FUSION.is_own_fusion(b)]
+
+
+def _functions(regions):
+    return {id(fn) for b in regions for fn in b._call_ctx.values()}
+
+
+def test_fusion_with_and_without_memopt_is_close_to_plain_thunder_and_saves_no_more():
+    plain = train_step(STABLECODE, [], n_layer=3, seq_len=128)
+    fused = train_step(STABLECODE, [], n_layer=3, seq_len=128, executors=_cpu_executors())
+    memopt = train_step(STABLECODE, [MemoryOptimization()], n_layer=3, seq_len=128)
+    both = train_step(STABLECODE, [MemoryOptimization()], n_layer=3, seq_len=128, executors=_cpu_executors())
+
+    for step in (fused, both):
+        torch.testing.assert_close(step.loss, plain.loss, rtol=1e-3, atol=0)
+        for name, grad in plain.grads.items():
+            error = (step.grads[name].float() - grad.float()).norm() / grad.float().norm()
+            assert error <= GRAD_RELATIVE_ERROR, (name, error.item())
+        check_trace(step.forward_trace)
+        check_trace(step.backward_trace)
+        forward, backward = _regions(step.forward_trace), _regions(step.backward_trace)
+        assert forward and backward
+        # Every layer's regions are the same ops on the same shapes: they share compiled functions.
+        assert len(_functions(forward)) < len(forward) and len(_functions(backward)) < len(backward)
+        # Nothing but the cheap ops is claimed: matmuls and the embedding stay outside regions.
+        inside = {sub.sym.name for b in forward + backward for sub in b.subsymbols}
+        assert not inside & {"linear", "matmul", "embedding", "embedding_backward"}
+
+    # Recompute cuts between ops, not regions: fusion saves no more than the unfused plan.
+    assert both.saved_bytes <= memopt.saved_bytes < fused.saved_bytes <= plain.saved_bytes
+    # The backward replays the forward's regions, running the very functions the forward ran: the
+    # step is the fused step's, bit for bit.
+    assert _functions(_regions(both.forward_trace)) & _functions(_regions(both.backward_trace))
+    assert_same_numerics(fused, both)
+
+
+@pytest.mark.parametrize("transforms", [[], [MemoryOptimization()]], ids=["thunder", "memopt"])
+def test_fusion_off_is_bit_identical_to_plain_thunder(transforms):
+    plain = train_step(STABLECODE, transforms and [MemoryOptimization()], n_layer=1, seq_len=64)
+    off = train_step(STABLECODE, transforms, n_layer=1, seq_len=64, executors=executors(fusion=False))
+    assert_same_numerics(plain, off)
+    # On CPU the default list's fusion executor (CUDA's) claims nothing either.
+    default = train_step(STABLECODE, transforms and [MemoryOptimization()], n_layer=1, seq_len=64,
+                         executors=executors())
+    assert_same_numerics(plain, default)
+
+
+def test_a_failing_refusion_keeps_thunders_fused_trace_with_one_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    fused = train_step(STABLECODE, [], n_layer=1, seq_len=64, executors=_cpu_executors())
+    monkeypatch.setattr(transform_module, "_fuse_forward", broken)
+    with pytest.warns(UserWarning, match="thunder_memopt: fusion left this trace as Thunder fused it") as caught:
+        step = train_step(STABLECODE, [MemoryOptimization()], n_layer=1, seq_len=64, executors=_cpu_executors())
+    assert sum("thunder_memopt" in str(w.message) for w in caught) == 1
+    assert step.saved_bytes == fused.saved_bytes
+    assert_same_numerics(fused, step)
+
+
+def _qkv(shape=(1, 4, 128, 64), *, dtype=dtypes.bfloat16, device="cuda:0", k_shape=None):
+    with tracectx(TraceCtx()):
+        q = TensorProxy(shape=shape, device=devices.Device(device), dtype=dtype)
+        k = TensorProxy(shape=k_shape or shape, device=devices.Device(device), dtype=dtype)
+        v = TensorProxy(shape=k_shape or shape, device=devices.Device(device), dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "inputs, options, served",
+    [
+        (_qkv(), {"is_causal": True}, True),
+        (_qkv((2, 8, 256, 80)), {}, True),
+        (_qkv((1, 4, 128, 128)), {"scale": 0.1}, True),
+        (_qkv(dtype=dtypes.float16), {}, True),
+        (_qkv(dtype=dtypes.float32), {}, False),  # cuDNN attention is fp16/bf16 only
+        (_qkv((1, 4, 128, 60)), {}, False),  # head size not a multiple of 8
+        (_qkv((1, 4, 128, 256)), {}, False),  # head size above 128
+        (_qkv(device="cpu"), {}, False),
+        (_qkv(k_shape=(1, 2, 128, 64)), {}, False),  # grouped heads: left to the sdpa executor
+        (_qkv(), {"dropout_p": 0.1}, False),
+        (_qkv(), {"attn_mask": "mask"}, False),
+    ],
+)
+def test_cudnn_attention_checker_falls_back_where_cudnn_does_not_serve(inputs, options, served):
+    options = dict(options)
+    if options.get("attn_mask") == "mask":
+        options["attn_mask"] = inputs[0]
+    assert cudnn_supports(*inputs, **options) is served
+
+
+def test_on_cpu_attention_is_not_claimed_by_cudnn():
+    step = train_step(STABLECODE, [], n_layer=1, seq_len=64, executors=executors())
+    names = {b.sym.name for b in step.forward_trace.bound_symbols}
+    assert not any(name.startswith("memopt_cudnn") for name in names)
+
+
+def test_executors_leave_fusion_to_nvfuser_where_it_is_a_default(monkeypatch):
+    fake_nvfuser = FusionExecutor("nvfuser")
+    defaults = list(thunder.get_default_executors())
+    assert executors()[:2] == [cudnn_attention_ex, fusion_ex]
+    assert executors(fusion=False, cudnn_attention=False) == defaults
+    monkeypatch.setattr(thunder, "get_default_executors", lambda: [fake_nvfuser, *defaults])
+    chosen = executors()
+    assert fusion_ex not in chosen and chosen[:2] == [cudnn_attention_ex, fake_nvfuser]
+
+
+@pytest.mark.parametrize("kwargs", [{"fusion": 1}, {"cudnn_attention": "yes"}])
+def test_executors_reject_options_that_are_not_bools(kwargs):
+    (name,) = kwargs
+    with pytest.raises(TypeError, match=name):
+        executors(**kwargs)
+
+
+@pytest.mark.parametrize("argument", [0.5, MemoryOptimization])
+def test_thunderfx_backend_rejects_what_is_not_a_memory_optimization(argument):
+    with pytest.raises(TypeError, match="memory_optimization"):
+        thunderfx_backend(argument)
+
+
+def test_thunderfx_backend_uses_thunder_memopts_executors_unless_given_others():
+    assert thunderfx_backend().compiler.thunder_options["executors"][:2] == [cudnn_attention_ex, fusion_ex]
+    assert fusion_ex not in thunderfx_backend(fusion=False).compiler.thunder_options["executors"]
+    mine = list(thunder.get_default_executors())
+    assert thunderfx_backend(executors=mine).compiler.thunder_options["executors"] == mine
