@@ -182,8 +182,12 @@ def profile_section(row: dict) -> str:
     columns = [("kernel (top 10 by GPU time)", lambda k: f"`{k['name'][:KERNEL_NAME_CHARS]}`"),
                ("ms / step", lambda k: f"{k['ms'] / steps:.1f}"),
                ("calls / step", lambda k: f"{k['calls'] / steps:.0f}")]
+    copies = ""
+    if "copy_kernel_ms" in profile and profile["gpu_busy_fraction"] is not None:  # a GPU's, and a row that has it
+        copies = (f"; copy kernels {profile['copy_kernel_ms'] / steps:.1f} ms in "
+                  f"{profile['copy_kernel_calls'] / steps:.0f} calls per step")
     return (f"##### Profile: {backend_label(row)}, T={row['block_size']}, {row['date'][:16]}: {row['step_ms']:.0f} ms "
-            f"per step, GPU busy {number(profile['gpu_busy_fraction'], '.0%')}\n\n" + table(columns, kernels))
+            f"per step, GPU busy {number(profile['gpu_busy_fraction'], '.0%')}{copies}\n\n" + table(columns, kernels))
 
 
 def summary(rows: list[dict]) -> str:
