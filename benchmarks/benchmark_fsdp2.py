@@ -60,6 +60,8 @@ import torch  # noqa: E402  (after the NCCL environment above)
 import torch.distributed as dist  # noqa: E402
 
 import make_table  # noqa: E402  (benchmarks/ is sys.path[0] when this file runs as a script)
+from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_int  # noqa: E402
+from thunder_memopt.transform import PASSES  # noqa: E402
 
 BACKENDS = make_table.BACKENDS
 THUNDER_BACKENDS = ("thunder", "thunder+fusion", "thunder+memopt")
@@ -84,6 +86,7 @@ FINAL_STATUSES = ("ok", "OOM")
 LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
 MEMOPT_ONLY_FIELDS = ("memopt_passes", "fusion")  # Trial fields that change only thunder_memopt's backends
 EXIT_INCOMPLETE = 3  # --time-limit stopped the run; rerun the same command with --resume
+EXIT_NO_ROW = 4  # every row failed (error, OOM or timeout)
 STOP_GRACE_S = 30
 ERROR_MESSAGE_CHARS = 2000  # compile errors quote whole commands; the log has the rest
 # Variables that torchrun sets for the driver's own ranks; the nested torchrun sets its own.
@@ -988,6 +991,9 @@ def driver_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return EXIT_INCOMPLETE
     report(driver, args)
     print(f"done: {len(driver.rows)} rows in {driver.out}", flush=True)
+    if not any(row.get("status") == "ok" for row in driver.rows):
+        print("no row succeeded", file=sys.stderr, flush=True)
+        return EXIT_NO_ROW
     return 0
 
 
@@ -1012,13 +1018,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # set by the driver only
 
     model = parser.add_argument_group("model")
-    model.add_argument("--model-name", default="stablecode-completion-alpha-3b", help="a litgpt config name")
-    model.add_argument("--n-layer", type=int, default=8, help="transformer blocks")
-    model.add_argument("--n-embd", type=int, help="narrow to this width (vocabulary 512); if unset: "
+    model.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b",
+                       help="a litgpt config name")
+    model.add_argument("--n-layer", type=positive_int, default=8, help="transformer blocks")
+    model.add_argument("--n-embd", type=narrow_width, help="narrow to this width (vocabulary 512); if unset: "
                        f"the real width on GPU, {CPU_DEFAULT_N_EMBD} on CPU")
-    model.add_argument("--block-size", type=int, nargs="+", help="sequence length(s) T, a row each; if unset: "
+    model.add_argument("--block-size", type=positive_int, nargs="+", help="sequence length(s) T, a row each; if unset: "
                        f"{GPU_DEFAULT_BLOCK_SIZE} on GPU, {CPU_DEFAULT_BLOCK_SIZE} on CPU")
-    model.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank and step")
+    model.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per rank and step")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameters and compute")
     model.add_argument("--loss-mode", choices=LOSS_MODES, default="in-graph",
                        help="in-graph: the cross-entropy inside the compiled module (default); after it, in eager, "
@@ -1032,25 +1039,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     sharding.add_argument("--distributed-mode", choices=DISTRIBUTED_MODES, default="fsdp2")
     sharding.add_argument("--shard-mode", choices=("zero2", "zero3"), default="zero2",
                           help="fsdp2: reshard_after_forward False/True; thunder-fsdp: FSDPType.ZERO2/ZERO3")
-    sharding.add_argument("--nproc-per-node", type=int, default=1, help="ranks, when not launched by torchrun")
+    sharding.add_argument("--nproc-per-node", type=positive_int, default=1, help="ranks, when not launched by torchrun")
 
     backends = parser.add_argument_group("backends")
     backends.add_argument("--compile", nargs="+", choices=BACKENDS,
                           help="backends, a row each in fresh processes; "
                                "if unset: all (the thunder ones under thunder-fsdp)")
-    backends.add_argument("--inductor-budget", type=float, nargs="+", default=[0.5],
+    backends.add_argument("--inductor-budget", type=fraction, nargs="+", default=[0.5],
                           help="torch._functorch.config.activation_memory_budget for inductor-budget (a row each)")
-    backends.add_argument("--memopt-passes", nargs="+", default=None,
+    backends.add_argument("--memopt-passes", nargs="+", default=None, choices=PASSES,
                           help="MemoryOptimization(passes=...) for thunder+memopt (default: every pass)")
     backends.add_argument("--fusion", choices=sorted(FUSION), default="on",
                           help="thunder+fusion and thunder+memopt: thunder_memopt.executors(fusion=...); off runs every "
                                "op as plain Thunder does (bit-identical)")
-    backends.add_argument("--memopt-budget", type=float, nargs="+", default=[1.0],
+    backends.add_argument("--memopt-budget", type=fraction, nargs="+", default=[1.0],
                           help="MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")
 
     measure = parser.add_argument_group("measurement")
-    measure.add_argument("--warmup", type=int, default=2, help="steps before the peaks are reset (the first compiles)")
-    measure.add_argument("--iters", type=int, default=5, help="measured steps")
+    measure.add_argument("--warmup", type=positive_int, default=2, help="steps before the peaks are reset (the first compiles)")
+    measure.add_argument("--iters", type=positive_int, default=5, help="measured steps")
     measure.add_argument("--profile", action="store_true", help="torch.profiler summary of the measured steps")
     measure.add_argument("--memory-snapshot", metavar="PATH",
                          help="CUDA allocator snapshot of the measured steps (rank 0), one file per row")
@@ -1060,8 +1067,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     search_group = parser.add_argument_group("longest sequence that fits")
     search_group.add_argument("--find-max-block-size", action="store_true",
                               help="per backend, double from the first --block-size, then narrow (aimed on a GPU)")
-    search_group.add_argument("--search-granularity", type=int, default=1024, help="narrow down to this many tokens")
-    search_group.add_argument("--search-limit", type=int, default=262144, help="largest block size probed")
+    search_group.add_argument("--search-granularity", type=positive_int, default=1024, help="narrow down to this many tokens")
+    search_group.add_argument("--search-limit", type=positive_int, default=262144, help="largest block size probed")
 
     output = parser.add_argument_group("output and running")
     output.add_argument("--out", default="benchmark_fsdp2.jsonl", help="JSON lines file, appended to")
@@ -1076,8 +1083,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         args.compile = list(THUNDER_BACKENDS if args.distributed_mode == "thunder-fsdp" else BACKENDS)
     if args.distributed_mode == "thunder-fsdp" and not set(args.compile) <= set(THUNDER_BACKENDS):
         parser.error("thunder-fsdp shards inside thunder.jit: only the thunder backends can run under it")
-    if args.warmup < 1 or args.iters < 1:
-        parser.error("--warmup and --iters must be at least 1 (the first warm-up step compiles)")
     if args.autocast and DTYPES[args.dtype] != "float32":
         parser.error("--autocast casts to bf16 inside the step: keep the parameters in --dtype fp32")
     return args, parser

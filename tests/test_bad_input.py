@@ -1,7 +1,9 @@
 """Bad options get an exception that names them, when the object is built; inference traces are
 understood (no warning from MemoryOptimization)."""
 
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ import torch
 
 from thunder_memopt import MemoryOptimization, thunderfx_backend
 from thunder_memopt.models import build_model, narrow_config, random_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 @pytest.mark.parametrize(
@@ -71,3 +75,63 @@ def test_inference_forward_gives_no_warning_and_no_higher_peak(model_name, how):
             compiled(x)
     assert mo.schedule_results
     assert all(r.peak_after <= r.peak_before for r in mo.schedule_results)
+
+
+def _one_line_usage_error(parse, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "Traceback" not in err
+    message = err.strip().splitlines()[-1]
+    assert "error: argument" in message or "error:" in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--model-name", "NoSuchModel"], "--model-name"),
+        (["--block-size", "0"], "--block-size"),
+        (["--block-size", "-5"], "--block-size"),
+        (["--device", "foo"], "--device"),
+        (["--n-embd", "100"], "--n-embd"),
+        (["--micro-batch-size", "0"], "--micro-batch-size"),
+        (["--train-steps", "-1"], "--train-steps"),
+        (["--top", "-1"], "--top"),
+        (["--budget", "1.5"], "--budget"),
+        (["--n-layer", "1"], "--n-layer"),
+    ],
+)
+def test_report_flags_with_bad_values_are_one_line_errors(argv, named, capsys):
+    from thunder_memopt.report import parse_args
+
+    assert named in _one_line_usage_error(parse_args, argv, capsys)
+
+
+def test_an_unknown_model_name_suggests_close_names(capsys):
+    from thunder_memopt.report import parse_args
+
+    message = _one_line_usage_error(parse_args, ["--model-name", "stablecode-alpha-3b"], capsys)
+    assert "did you mean" in message and "stablecode-instruct-alpha-3b" in message
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--memopt-budget", "1.5"], "--memopt-budget"),
+        (["--inductor-budget", "-1"], "--inductor-budget"),
+        (["--memopt-passes", "foo"], "--memopt-passes"),
+        (["--block-size", "-5"], "--block-size"),
+        (["--model-name", "NoSuchModel"], "--model-name"),
+        (["--n-embd", "100"], "--n-embd"),
+        (["--n-layer", "0"], "--n-layer"),
+        (["--warmup", "0"], "--warmup"),
+        (["--fusion", "maybe"], "--fusion"),
+        (["--compile", "thunder+nothing"], "--compile"),
+    ],
+)
+def test_benchmark_flags_with_bad_values_fail_before_any_process_starts(argv, named, capsys):
+    import benchmark_fsdp2
+
+    assert named in _one_line_usage_error(benchmark_fsdp2.parse_args, argv, capsys)

@@ -11,13 +11,17 @@ import torch
 __all__ = ["narrow_config", "build_model", "random_batch", "GPTWithLoss", "next_token_loss"]
 
 
+# Head size of narrowed models (narrow_config).
+HEAD_SIZE = 64
+
+
 def narrow_config(
     model_name: str,
     *,
     n_layer: int,
     n_embd: int | None = None,
     block_size: int | None = None,
-    head_size: int = 64,
+    head_size: int = HEAD_SIZE,
     vocab_size: int = 512,
 ):
     """A litgpt ``Config`` of ``model_name`` with ``n_layer`` layers and, if given, width ``n_embd``.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import thunder
 import torch
 
+from thunder_memopt.arguments import device_name, fraction, litgpt_model_name, narrow_width, non_negative_int, positive_int
 from thunder_memopt.measure import measure_saved, peak_live_bytes
 from thunder_memopt.memory import SavedInventory, estimate_step, saved_for_backward
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
@@ -163,21 +164,22 @@ def _short_source(src: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     has_gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m thunder_memopt report", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-name", default="stablecode-completion-alpha-3b", help="a litgpt config name")
-    p.add_argument("--n-layer", type=int, default=4, help="layers of the model reported on")
-    p.add_argument("--n-embd", type=int, default=None, help="narrow to this width (default: 256 on CPU, real on GPU)")
-    p.add_argument("--block-size", type=int, default=512 if not has_gpu else 8192, help="sequence length")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b",
+                   help="a litgpt config name")
+    p.add_argument("--n-layer", type=positive_int, default=4, help="layers of the model reported on")
+    p.add_argument("--n-embd", type=narrow_width, default=None,
+                   help="narrow to this width, a multiple of 64 (default: 256 on CPU, real on GPU)")
+    p.add_argument("--block-size", type=positive_int, default=512 if not has_gpu else 8192, help="sequence length")
+    p.add_argument("--micro-batch-size", type=positive_int, default=1)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--device", default="cuda" if has_gpu else "cpu")
-    p.add_argument("--budget", type=float, default=1.0, help="MemoryOptimization activation_budget")
-    p.add_argument("--train-steps", type=int, default=3, help="AdamW steps to train before the report (0: none)")
-    p.add_argument("--top", type=int, default=8, help="rows of the saved-tensor tables")
+    p.add_argument("--device", type=device_name, default="cuda" if has_gpu else "cpu")
+    p.add_argument("--budget", type=fraction, default=1.0, help="MemoryOptimization activation_budget, in [0, 1]")
+    p.add_argument("--train-steps", type=non_negative_int, default=3,
+                   help="AdamW steps to train before the report (0: none)")
+    p.add_argument("--top", type=positive_int, default=8, help="rows of the saved-tensor tables")
     args = p.parse_args(argv)
     if args.n_layer < 2:
         p.error("--n-layer must be at least 2: per-layer figures are a marginal between layer counts")
-    if not 0.0 <= args.budget <= 1.0:
-        p.error(f"--budget must be in [0, 1], got {args.budget}")
     if args.device.startswith("cuda") and not has_gpu:
         p.error("--device cuda asked for, but torch sees no GPU")
     if args.n_embd is None and not args.device.startswith("cuda"):

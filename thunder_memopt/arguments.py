@@ -1,0 +1,73 @@
+"""Argument types shared by the report CLI and the benchmark: a bad value is argparse's one-line
+error (exit 2) before any work starts, never a traceback from deep inside."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+import torch
+
+from thunder_memopt.models import HEAD_SIZE
+
+__all__ = ["positive_int", "non_negative_int", "fraction", "litgpt_model_name", "narrow_width", "device_name"]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1] (activation budgets)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value:g}")
+    return value
+
+
+def litgpt_model_name(text: str) -> str:
+    from litgpt.config import name_to_config
+
+    if text in name_to_config:
+        return text
+    close = difflib.get_close_matches(text, list(name_to_config), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise argparse.ArgumentTypeError(f"{text!r} is not a litgpt config name{hint}")
+
+
+def narrow_width(text: str) -> int:
+    """A width for ``models.narrow_config``: a positive multiple of its head size."""
+    value = positive_int(text)
+    if value % HEAD_SIZE:
+        raise argparse.ArgumentTypeError(f"must be a multiple of the head size {HEAD_SIZE}, got {value}")
+    return value
+
+
+def device_name(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda devices are supported")
+    return text
