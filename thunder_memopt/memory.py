@@ -584,14 +584,19 @@ def strip_deletions(trace: TraceCtx) -> TraceCtx:
     return new
 
 
-def replace_bound_symbols(trace: TraceCtx, bsyms: Sequence[BoundSymbol], provenance: str) -> TraceCtx:
-    """A copy of ``trace`` with new bound symbols, deletions re-inserted by ``del_last_used``."""
+def replace_bound_symbols(
+    trace: TraceCtx, bsyms: Sequence[BoundSymbol], provenance: str, *, deletions: bool = True
+) -> TraceCtx:
+    """A copy of ``trace`` with new bound symbols, deletions re-inserted by ``del_last_used``; without
+    them if not ``deletions`` (a trace only to be priced: the memory model ignores deletions)."""
     from thunder.core.trace import TraceProvenance, from_trace
     from thunder.executors.passes import del_last_used
 
     new = from_trace(trace)
     new.bound_symbols = [b for b in bsyms if b.sym.name not in _DELETION_NAMES]
     new.set_provenance(TraceProvenance(provenance))
+    if not deletions:
+        return new
     is_backward = TraceTag.BACKWARD in trace.tags
     out = del_last_used(new, clear_mutable_collections=is_backward)
     out.set_provenance(TraceProvenance(provenance))

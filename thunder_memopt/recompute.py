@@ -249,19 +249,17 @@ def choose_by_budget(
     activation_memory_budget does not guarantee that (pytorch #197838). Budget 0.0 takes, among the
     rungs at the lowest estimated peak, the one that saves least.
     """
-    candidates = []
-    for plan in plans:
-        fw = apply_to_forward(forward_trace, plan)
-        bw = apply_to_backward(backward_trace, plan)
-        candidates.append((fw, bw, estimate_step(fw, bw).peak_bytes))
-    peaks = [c[2] for c in candidates]
+    # Priced without deletions (the memory model reads liveness from last uses), which saves placing
+    # them for every rung; the chosen rung gets them.
+    peaks = [estimate_step(apply_to_forward(forward_trace, plan, deletions=False),
+                           apply_to_backward(backward_trace, plan, deletions=False)).peak_bytes for plan in plans]
     target = min(peaks) + budget * (peaks[0] - min(peaks))
     meeting = [k for k, peak in enumerate(peaks) if peak <= target]
     # At 0.0 memory is all that counts: of the rungs at the lowest estimated peak, the one that saves
     # least (the ladder's end is per-block checkpointing), since the estimate can tie rungs whose
     # real peaks differ. Otherwise the least recompute that meets the target.
     k = min(meeting, key=lambda k: plans[k].saved_bytes_after) if budget == 0.0 else meeting[0]
-    return k, candidates[k][0], candidates[k][1]
+    return k, apply_to_forward(forward_trace, plans[k]), apply_to_backward(backward_trace, plans[k])
 
 
 def _checkpoints(g: _ForwardGraph, min_expensive_per_segment: int = 5) -> set[int]:
@@ -310,23 +308,28 @@ def _prefix_counts(flags: Sequence[bool]) -> list[int]:
     return counts
 
 
-def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
+def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan, *, deletions: bool = True) -> TraceCtx:
     """The forward trace saving ``plan.saved`` instead of its original set."""
-    return save_in_forward(forward_trace, plan.saved, what="recompute")
+    return save_in_forward(forward_trace, plan.saved, what="recompute", deletions=deletions)
 
 
-def save_in_forward(forward_trace: TraceCtx, saved: Sequence[TensorProxy], *, what: str) -> TraceCtx:
-    """The forward returning ``saved`` as its saved tensors, deletions placed anew."""
+def save_in_forward(
+    forward_trace: TraceCtx, saved: Sequence[TensorProxy], *, what: str, deletions: bool = True
+) -> TraceCtx:
+    """The forward returning ``saved`` as its saved tensors, deletions placed anew (unless not
+    ``deletions``: a trace only to be priced)."""
     new = strip_deletions(forward_trace)
     _, others = saved_proxies(forward_trace)
     _update_forward_with_new_saved_for_backward(new, [*saved, *others])
-    return replace_bound_symbols(new, new.bound_symbols, f"thunder_memopt {what}: new saved set (forward)")
+    return replace_bound_symbols(new, new.bound_symbols, f"thunder_memopt {what}: new saved set (forward)",
+                                 deletions=deletions)
 
 
-def apply_to_backward(backward_trace: TraceCtx, plan: RecomputePlan) -> TraceCtx:
+def apply_to_backward(backward_trace: TraceCtx, plan: RecomputePlan, *, deletions: bool = True) -> TraceCtx:
     """The backward trace receiving ``plan.saved`` and replaying ``plan.recompute`` as needed."""
     return replay_in_backward(
-        backward_trace, key=plan.key, saved=plan.saved, replayed=plan.recompute, what="recompute"
+        backward_trace, key=plan.key, saved=plan.saved, replayed=plan.recompute, what="recompute",
+        deletions=deletions,
     )
 
 
@@ -337,9 +340,11 @@ def replay_in_backward(
     saved: Sequence[TensorProxy],
     replayed: Sequence[BoundSymbol],
     what: str,
+    deletions: bool = True,
 ) -> TraceCtx:
     """The backward receiving ``saved`` instead of ``key`` and running each of ``replayed`` (forward
-    symbols, in forward order) just before the first symbol that reads what it produces."""
+    symbols, in forward order) just before the first symbol that reads what it produces; deletions
+    placed anew unless not ``deletions``."""
     if TraceTag.BACKWARD not in backward_trace.tags:
         raise ValueError("replay_in_backward needs a backward trace")
     saved_tensors, saved_others = backward_trace.args[0]
@@ -368,7 +373,7 @@ def replay_in_backward(
             available.update(o.name for o in b.flat_proxy_outs if hasattr(o, "name"))
         out.append(bsym)
         available.update(o.name for o in bsym.flat_proxy_outs if hasattr(o, "name"))
-    return replace_bound_symbols(new, out, f"thunder_memopt {what}: replay in backward")
+    return replace_bound_symbols(new, out, f"thunder_memopt {what}: replay in backward", deletions=deletions)
 
 
 def _replay_chain(
