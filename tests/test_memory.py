@@ -69,9 +69,12 @@ def cross_entropy_compiled_on_cpu():
         yield
 
 
-@pytest.mark.parametrize("cross_entropy", ["eager", "torch.compile region"])
+@pytest.mark.parametrize(
+    "cross_entropy, n_embd",
+    [("eager", 256), ("torch.compile region", 256), ("eager", 64)],  # 64: the report's tiny widths too
+)
 @pytest.mark.parametrize("optimized", [False, True], ids=["plain", "MemoryOptimization"])
-def test_estimated_step_peak_is_the_measured_peak_of_live_tensors(cross_entropy, optimized, request):
+def test_estimated_step_peak_is_the_measured_peak_of_live_tensors(cross_entropy, n_embd, optimized, request):
     """estimate_step against the profiler's live tensor bytes of a real forward+backward: a saved
     tensor and its view are one storage, a saved slice keeps its base, a saved expand keeps only
     what it expands, and aliasing outputs of a torch.compile region are one storage."""
@@ -83,7 +86,7 @@ def test_estimated_step_peak_is_the_measured_peak_of_live_tensors(cross_entropy,
 
     if cross_entropy == "torch.compile region":
         request.getfixturevalue("cross_entropy_compiled_on_cpu")
-    config = narrow_config("stablecode-completion-alpha-3b", n_layer=2, n_embd=256, block_size=256, vocab_size=8192)
+    config = narrow_config("stablecode-completion-alpha-3b", n_layer=2, n_embd=n_embd, block_size=256, vocab_size=8192)
     model = build_model(config)
     x, y = random_batch(config, batch_size=1, seq_len=256)
     jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), transforms=[MemoryOptimization()] if optimized else [])

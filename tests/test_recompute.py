@@ -172,3 +172,28 @@ def test_saved_set_excludes_rotary_q_k_beside_qkv():
     step = train_step("stablecode-completion-alpha-3b", [MemoryOptimization()])
     sources = [t.source or "" for t in saved_for_backward(step.forward_trace).tensors if not t.is_parameter]
     assert not any("model.py:1172" in s for s in sources)  # litgpt apply_rope's output
+
+
+def test_mixture_of_experts_through_thunderfx_backend_is_bit_identical_and_saves_less():
+    """litgpt's MoE blocks (Mixtral) cannot be traced by plain thunder.jit (torch.where with a
+    condition alone), but train through ThunderCompiler, which hands that op to inductor."""
+    from thunder.dynamo import ThunderCompiler
+
+    from thunder_memopt.measure import measure_saved
+    from thunder_memopt.models import build_model, narrow_config, random_batch
+
+    config = narrow_config("Mixtral-8x7B-v0.1", n_layer=2, n_embd=256, block_size=64)
+
+    def run(backend):
+        torch._dynamo.reset()
+        model = build_model(config)
+        x, y = random_batch(config, batch_size=1, seq_len=64)
+        measured = measure_saved(torch.compile(model, backend=backend), x, parameters=list(model.parameters()))
+        loss = torch.nn.functional.cross_entropy(measured.output.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, measured.activation_bytes
+
+    (plain_loss, plain_grads, plain_saved), (loss, grads, saved) = run(ThunderCompiler()), run(thunderfx_backend())
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(grads[n], g) for n, g in plain_grads.items())
+    assert saved < plain_saved / 2
