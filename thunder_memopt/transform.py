@@ -129,26 +129,21 @@ class MemoryOptimization(Transform):
 
     def _forward(self, trace: TraceCtx, fusion: InductorFusionExecutor | None) -> TraceCtx:
         self._pending = None
-        if "recompute" not in self.passes:
-            out = self._after_recompute_forward(trace)
-            self._forward_returned = out
-            return out
-        flat = trace if fusion is None else fusion.unfuse(trace)
-
-        def plan_and_apply() -> tuple[list[recompute.RecomputePlan], TraceCtx]:
-            ladder = recompute.plan_ladder(flat, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS)
-            return ladder, recompute.apply_to_forward(flat, ladder[0])
-
-        planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
         fused = None
-        if planned is not None:
-            plans, recomputed = planned
-            fused = self._guarded("fusion", "this trace as Thunder fused it, without recompute",
-                                  lambda: _fuse_forward(recomputed, plans[0], fusion))
-        if fused is None:
-            out = self._after_recompute_forward(trace)
-        else:
-            out = self._after_recompute_forward(fused[0])
+        if "recompute" in self.passes:
+            flat = trace if fusion is None else fusion.unfuse(trace)
+
+            def plan_and_apply() -> tuple[list[recompute.RecomputePlan], TraceCtx]:
+                ladder = recompute.plan_ladder(flat, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS)
+                return ladder, recompute.apply_to_forward(flat, ladder[0])
+
+            planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
+            if planned is not None:
+                plans, recomputed = planned
+                fused = self._guarded("fusion", "this trace as Thunder fused it, without recompute",
+                                      lambda: _fuse_forward(recomputed, plans[0], fusion))
+        out = self._after_recompute_forward(trace if fused is None else fused[0])
+        if fused is not None:
             self._pending = _Pending(original=flat, plans=plans, replays=fused[1], returned=out, fusion=fusion)
         self._forward_returned = out
         return out

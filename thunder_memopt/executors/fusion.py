@@ -109,7 +109,7 @@ class InductorFusionExecutor(TorchCompileExecutor):
         self.devices = frozenset(devices)
         checker = functools.partial(_on_devices, self.devices)
         self._implmap = {
-            op: ImplInfo(checker=checker) for op, impl in pytorch_ex.implmap.items() if fusible_name(_op_name(op, impl))
+            op: ImplInfo(checker=checker) for op in pytorch_ex.implmap if fusible_name(_op_name(op))
         }
 
     def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
@@ -196,7 +196,7 @@ class InductorFusionExecutor(TorchCompileExecutor):
         return replace_bound_symbols(lowered, lowered.bound_symbols, "thunder_memopt fusion: regions rebuilt")
 
 
-def _op_name(op, impl: ImplInfo) -> str:
+def _op_name(op) -> str:
     return op if isinstance(op, str) else op.name
 
 
