@@ -95,7 +95,10 @@ def is_bookkeeping(bsym: BoundSymbol) -> bool:
 
 def tensor_nbytes(t: TensorProxy) -> int:
     """Bytes of a tensor proxy: numel times the dtype's width."""
-    return int(t.numel) * int(t.dtype.bytes)
+    # The proxy's own field: ``t.numel`` goes through TensorProxy.__getattr__, a tenth of the
+    # memory model's time on long traces.
+    numel = t._numel if isinstance(t._numel, int) else t.numel
+    return int(numel) * int(t.dtype.bytes)
 
 
 def tensor_args(bsym: BoundSymbol) -> list[TensorProxy]:
@@ -173,15 +176,15 @@ def view_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> dict[str,
     Executor symbols (``Tensor.expand``, ``torch.unsqueeze``) keep their ltorch/prims decomposition
     as subsymbols; such a symbol is a view when every step of its decomposition is one.
     """
+    prim = _view_prim(bsym)
+    if prim is None and not bsym.subsymbols:
+        return None  # a leaf that is no view: most leaves, so before reading any argument
     args, outs = tensor_args(bsym), tensor_outs(bsym)
     if not args or not outs or args[0].name not in strides:
         return None
-    prim = _view_prim(bsym)
     if prim is not None:
         s = _leaf_view_strides(prim, bsym, args[0], strides[args[0].name], outs[0])
         return None if s is None else {outs[0].name: s}
-    if not bsym.subsymbols:
-        return None
     # A ChainMap layer, not a copy: copying the whole map per composite op is quadratic.
     local = ChainMap({}, strides)
     for sub in bsym.subsymbols:
@@ -368,6 +371,7 @@ def estimate_memory(
     inputs_freed: bool | None = None,
     held: Iterable[str] = (),
     known_storages: KnownStorages | None = None,
+    infos: Mapping[str, TensorInfo] | None = None,
 ) -> MemoryEstimate:
     """Estimate the live bytes after every bound symbol of an execution trace.
 
@@ -377,12 +381,14 @@ def estimate_memory(
     otherwise held by the caller until the end; storages named in ``held`` (parameters, which the
     module keeps) are never freed. Anything the return statement reads stays live.
     ``known_storages`` gives inputs the storage the trace cannot see, as (the input that names it,
-    its bytes): a backward receives saved views whose storages the forward allocated.
+    its bytes): a backward receives saved views whose storages the forward allocated. ``infos``, the
+    trace's ``storage_roots`` (over its symbols less deletions), if the caller has them already.
     """
     if inputs_freed is None:
         inputs_freed = TraceTag.BACKWARD in trace.tags
     bsyms = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
-    infos = storage_roots(trace, bsyms, known_storages)
+    if infos is None:
+        infos = storage_roots(trace, bsyms, known_storages)
     last = _last_uses(bsyms, infos)
     storage_bytes = storage_nbytes(infos, known_storages)
     input_storages = {i.storage for i in infos.values() if i.producer_index is None}
@@ -496,9 +502,14 @@ def is_parameter(t: TensorProxy, parameter_names: Iterable[str] | None = None) -
     return ProxyTag.STATIC_MEMORY_LOCATION in t.tags
 
 
-def saved_for_backward(forward_trace: TraceCtx, parameter_names: Iterable[str] | None = None) -> SavedInventory:
+def saved_for_backward(
+    forward_trace: TraceCtx,
+    parameter_names: Iterable[str] | None = None,
+    *,
+    infos: Mapping[str, TensorInfo] | None = None,
+) -> SavedInventory:
     """The saved-for-backward inventory of an augmented forward trace."""
-    infos = storage_roots(forward_trace)
+    infos = storage_roots(forward_trace) if infos is None else infos
     inputs = {t.name: t for t in trace_inputs(forward_trace)}
     params = set(parameter_names or ())
     tensors, _ = saved_proxies(forward_trace)
@@ -535,16 +546,19 @@ class StepEstimate:
     peak_phase: str  # "forward" or "backward"
 
 
-def estimate_step(forward_trace: TraceCtx, backward_trace: TraceCtx) -> StepEstimate:
+def estimate_step(
+    forward_trace: TraceCtx, backward_trace: TraceCtx, *, forward_infos: Mapping[str, TensorInfo] | None = None
+) -> StepEstimate:
     """Peak live activation bytes over forward + backward, excluding what the caller holds.
 
     Forward: live bytes above its inputs (parameters and batch). Backward: it receives the saved
     tensors and the output gradients and frees them as they are consumed; its peak counts the saved
     parameters' bytes only once (they are held by the module anyway), and the forward's outputs
-    stay alive until the backward begins.
+    stay alive until the backward begins. ``forward_infos`` is the forward's ``storage_roots``, for
+    a caller pricing forwards that differ only in what they save (the ladder's rungs).
     """
-    fw = estimate_memory(forward_trace, inputs_freed=False)
-    saved = saved_for_backward(forward_trace)
+    fw = estimate_memory(forward_trace, inputs_freed=False, infos=forward_infos)
+    saved = saved_for_backward(forward_trace, infos=forward_infos)
     storages = _saved_storages(saved, backward_trace)
     params = {storages[t.name][0] for t in saved.tensors if t.is_parameter and t.name in storages}
     bw = estimate_memory(backward_trace, inputs_freed=True, held=params, known_storages=storages)

