@@ -124,11 +124,12 @@ class InductorFusionExecutor(TorchCompileExecutor):
 
     def fusion_pass(self, trace: TraceCtx, label: Label | None = None,
                     keep_outputs: Callable[[list[BoundSymbol]], Sequence[Proxy]] | None = None) -> TraceCtx:
-        """Each run of claimed symbols as one region. ``label`` keeps symbols of different labels in
-        different regions (each run of claimed symbols is first ordered so that each label's symbols
-        stand together);
-        ``keep_outputs`` names, for a region's symbols, outputs to return besides those read after
-        it. Regions of views alone are left to the torch executor."""
+        """Each run of claimed symbols as one region.
+
+        ``label`` keeps symbols of different labels in different regions (each run is first ordered
+        so that each label's symbols stand together); ``keep_outputs`` names, for a region's symbols,
+        outputs to return besides those read after it. Regions of views alone are left to the torch
+        executor."""
         start = time.perf_counter_ns()
         claimed = [self._claims(b) for b in trace.bound_symbols]
         bsyms = _grouped_by_label(trace.bound_symbols, claimed, label)
