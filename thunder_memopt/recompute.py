@@ -242,8 +242,8 @@ def _plan(g: _ForwardGraph, before: int, saved: set[str], replay: set[int], afte
 
 def choose_by_budget(
     plans: Sequence[RecomputePlan], forward_trace: TraceCtx, backward_trace: TraceCtx, budget: float
-) -> tuple[int, TraceCtx, TraceCtx]:
-    """The rung a budget takes, with its forward and backward traces.
+) -> tuple[int, TraceCtx]:
+    """The rung a budget takes, with its forward trace (the caller replays the rung in its backward).
 
     Each rung is applied to both traces and priced by ``memory.estimate_step``. The budget places a
     target between the lowest estimated peak (0.0) and the default's (1.0), and the rung with the
@@ -265,7 +265,7 @@ def choose_by_budget(
     # least (the ladder's end is per-block checkpointing), since the estimate can tie rungs whose
     # real peaks differ. Otherwise the least recompute that meets the target.
     k = min(meeting, key=lambda k: plans[k].saved_bytes_after) if budget == 0.0 else meeting[0]
-    return k, apply_to_forward(forward_trace, plans[k]), apply_to_backward(backward_trace, plans[k])
+    return k, apply_to_forward(forward_trace, plans[k])
 
 
 def _checkpoints(g: _ForwardGraph, min_expensive_per_segment: int = 5) -> set[int]:

@@ -159,7 +159,7 @@ class MemoryOptimization(Transform):
         k, replays = 0, pending.replays
         if len(pending.plans) > 1:
             with self._timed("recompute"):
-                k, forward, _ = recompute.choose_by_budget(pending.plans, pending.original, flat, self.activation_budget)
+                k, forward = recompute.choose_by_budget(pending.plans, pending.original, flat, self.activation_budget)
         if k:
             # Thunder compiles the forward trace only after this hook returns (it calls every
             # transform on the forward, then the backward, then builds both callables), so the
