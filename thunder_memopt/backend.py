@@ -27,11 +27,12 @@ def thunderfx_backend(
     *,
     fusion: bool = True,
     cudnn_attention: bool = True,
+    loss_head: bool | None = None,
     **thunder_options: Any,
 ):
     """A ThunderCompiler with ``memory_optimization`` (default ``MemoryOptimization()``) first.
 
-    ``fusion`` and ``cudnn_attention`` choose thunder_memopt's executors (``executors()``), unless
+    ``fusion``, ``cudnn_attention`` and ``loss_head`` choose thunder_memopt's executors (``executors()``), unless
     ``executors=`` is given among the ThunderCompiler options; ``fusion=False`` keeps every op as
     plain Thunder runs it, bit for bit.
     """
@@ -42,7 +43,7 @@ def thunderfx_backend(
             "thunderfx_backend: memory_optimization must be a MemoryOptimization instance or None, "
             f"got {memory_optimization!r}"
         )
-    chosen = executors(fusion=fusion, cudnn_attention=cudnn_attention)
+    chosen = executors(fusion=fusion, cudnn_attention=cudnn_attention, loss_head=loss_head)
     thunder_options.setdefault("executors", chosen)
     transform = memory_optimization if memory_optimization is not None else MemoryOptimization()
     transforms = [transform, *thunder_options.pop("transforms", [])]

@@ -1,7 +1,13 @@
 """``MemoryOptimization``: the thunder.Transform that wires thunder_memopt's passes in order.
 
-Thunder hands every transform the forward trace and then the backward trace of each compiled
-function, after its own optimization and ``del_last_used``. The passes run there, in this order:
+Before Thunder's autodiff, the computation trace goes through one pass:
+
+0. ``loss_head``: where ``linear_cross_entropy_ex`` is in the executor list, each
+   ``linear -> cross_entropy`` becomes the fused loss head, which never holds the logits
+   (thunder_memopt.loss_head).
+
+Thunder then hands every transform the forward trace and the backward trace of each compiled
+function, after its own optimization and ``del_last_used``. The other passes run there, in order:
 
 1. ``recompute``: choose, by a min-cut over real tensor bytes, what the forward saves for backward,
    and recompute the rest in the backward (thunder_memopt.recompute). Where thunder_memopt's fusion
@@ -36,8 +42,9 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_memopt import collectives, recompute, schedule
+from thunder_memopt import collectives, loss_head, recompute, schedule
 from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.memory import backward_storages, strip_deletions, tensor_args, tensor_outs
 
 __all__ = ["MemoryOptimization", "PASSES"]
@@ -59,7 +66,7 @@ class _Pending:
     fusion: InductorFusionExecutor | None  # the fusion executor in the executor list
 
 
-PASSES = ("recompute", "collectives", "schedule")
+PASSES = ("loss_head", "recompute", "collectives", "schedule")
 
 
 class MemoryOptimization(Transform):
@@ -77,8 +84,8 @@ class MemoryOptimization(Transform):
         zero3: save shards and re-gather in backward; None detects ``FSDPType.ZERO3``.
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
-    replays run in the forward's compiled regions; with Thunder's executors alone (or
-    ``executors(fusion=False)``) every op runs as in plain Thunder, bit for bit.
+    replays run in the forward's compiled regions and the loss head is fused; with Thunder's
+    executors alone (or ``executors(fusion=False)``) every op runs as in plain Thunder, bit for bit.
     """
 
     def __init__(
@@ -116,6 +123,13 @@ class MemoryOptimization(Transform):
         return (
             f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
         )
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        if "loss_head" in self.passes and linear_cross_entropy_ex in kwargs.get("executors_list", ()):
+            fused = self._guarded("loss_head", "the loss unfused", lambda: loss_head.fuse_loss_heads(computation_trace))
+            if fused is not None:
+                computation_trace = fused
+        return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.BACKWARD not in computation_trace.tags:

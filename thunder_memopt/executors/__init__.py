@@ -4,6 +4,8 @@
 
 - ``fusion_ex`` (executors/fusion.py): inductor regions for everything but matmuls, attention,
   embeddings, random ops, collectives and in-place ops, on CUDA.
+- ``linear_cross_entropy_ex`` (executors/chunked_cross_entropy.py): the fused loss head, which
+  MemoryOptimization's ``loss_head`` pass puts in place of ``linear -> cross_entropy``.
 - ``cudnn_attention_ex`` (executors/cudnn_attention.py): SDPA through torch's cuDNN kernels, where
   cuDNN serves the inputs; Thunder's sdpa executor takes the rest.
 
@@ -19,6 +21,7 @@ import thunder
 from thunder.extend import Executor
 
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
+from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy, linear_cross_entropy_ex
 from thunder_memopt.executors.fusion import (
     CompileStats,
     InductorFusionExecutor,
@@ -30,6 +33,8 @@ __all__ = [
     "executors",
     "fusion_ex",
     "cudnn_attention_ex",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ex",
     "cudnn_supports",
     "InductorFusionExecutor",
     "CompileStats",
@@ -43,19 +48,24 @@ thunder.extend.register_executor(fusion_ex)
 _NVFUSER = "nvfuser"
 
 
-def executors(*, fusion: bool = True, cudnn_attention: bool = True) -> list[Executor]:
+def executors(*, fusion: bool = True, cudnn_attention: bool = True, loss_head: bool | None = None) -> list[Executor]:
     """Thunder's default executors with thunder_memopt's in front.
 
     Args:
         fusion: the inductor fusion executor. False restores Thunder's own execution of every op, and
             with it bit-identity with plain Thunder.
         cudnn_attention: cuDNN attention where it serves the inputs (else Thunder's sdpa executor).
+        loss_head: the fused linear + cross-entropy head (with MemoryOptimization). It sums in a
+            different order than the unfused loss, so None (the default) follows ``fusion``.
     """
-    for name, value in (("fusion", fusion), ("cudnn_attention", cudnn_attention)):
+    loss_head = fusion if loss_head is None else loss_head
+    for name, value in (("fusion", fusion), ("cudnn_attention", cudnn_attention), ("loss_head", loss_head)):
         if not isinstance(value, bool):
             raise TypeError(f"thunder_memopt.executors: {name} must be True or False, got {value!r}")
     defaults = list(thunder.get_default_executors())
     ours: list[Executor] = []
+    if loss_head:
+        ours.append(linear_cross_entropy_ex)
     if cudnn_attention:
         ours.append(cudnn_attention_ex)
     if fusion and not any(ex.name == _NVFUSER for ex in defaults):

@@ -1,0 +1,197 @@
+"""The fused loss head (thunder_memopt.executors.chunked_cross_entropy, thunder_memopt.loss_head):
+numerics against the unfused loss, as a torch function, under thunder.jit and under ThunderCompiler;
+saved bytes that no longer grow with the vocabulary; a lower measured peak; fusion off unchanged."""
+
+import warnings
+
+import pytest
+import thunder
+import torch
+
+from _train import assert_same_numerics, Step
+from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
+from thunder_memopt.executors import chunked_cross_entropy as lce_module
+from thunder_memopt.executors import linear_cross_entropy
+from thunder_memopt.measure import measure_saved, peak_live_bytes
+from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
+
+STABLECODE = "stablecode-completion-alpha-3b"
+LLAMA = "Llama-3-8B"
+SEQ_LEN = 192  # with chunk_size 128 below, the last chunk is partial
+# fp32: the fused loss sums the same fp32 logits in another order; the gradients sum over a few
+# hundred tokens (or classes) in another order too.
+FP32 = dict(rtol=1e-5, atol=1e-6)
+FP32_GRAD = dict(rtol=1e-4, atol=1e-5)
+# bf16 model: the unfused loss takes log-softmax in bf16, the fused one in fp32; each gradient
+# within a few bf16 epsilons (7.8e-3) of the unfused one, in norm.
+BF16_GRAD_RELATIVE_ERROR = 2e-2
+
+
+def _reference(hidden, weight, targets, bias=None, ignore_index=-100, reduction="mean", softcap=None):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index,
+                                             reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("with_bias,softcap", [(False, None), (True, None), (False, 30.0)])
+@pytest.mark.parametrize("vocab", [1000, 100])  # the backward walks the vocabulary, then the tokens
+def test_function_matches_cross_entropy_of_the_linear(reduction, with_bias, softcap, vocab):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 150, 64, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 64, generator=g).mul_(0.2).requires_grad_()
+    bias = torch.randn(vocab, generator=g, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, vocab, (2, 150), generator=g)
+    targets[0, :17] = -100  # ignored tokens
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+
+    expected = _reference(hidden, weight, targets, bias, reduction=reduction, softcap=softcap)
+    expected_grads = torch.autograd.grad(expected, inputs)
+    # 64 tokens a chunk: 300 tokens in five chunks, the last one partial.
+    got = linear_cross_entropy(hidden, weight, targets, bias, reduction=reduction, softcap=softcap, chunk_size=64)
+    got_grads = torch.autograd.grad(got, inputs)
+
+    torch.testing.assert_close(got, expected, **FP32)
+    for a, b in zip(got_grads, expected_grads):
+        torch.testing.assert_close(a, b, **FP32_GRAD)
+
+
+def test_function_rejects_bad_options():
+    h, w, t = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long)
+    for kwargs, error, name in [
+        ({"reduction": "none"}, ValueError, "reduction"),
+        ({"ignore_index": 1.5}, TypeError, "ignore_index"),
+        ({"softcap": 0}, ValueError, "softcap"),
+        ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ]:
+        with pytest.raises(error, match=name):
+            linear_cross_entropy(h, w, t, **kwargs)
+    with pytest.raises(ValueError, match="expected hidden"):
+        linear_cross_entropy(h, w, t[:3])
+
+
+def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vocab_size=512, seq_len=SEQ_LEN,
+              ignore=False):
+    """One step of GPTWithLoss (the loss in the trace) under thunder.jit with MemoryOptimization."""
+    cfg = narrow_config(model_name, n_layer=2, n_embd=128, block_size=seq_len, vocab_size=vocab_size)
+    model = GPTWithLoss(build_model(cfg, dtype=dtype), upcast_logits=upcast)
+    x, y = random_batch(cfg, batch_size=1, seq_len=seq_len)
+    if ignore:
+        y = y.clone()  # batch 1: the targets are a view of the same tokens as x
+        y[:, :40] = -100
+    jitted = thunder.jit(model, executors=executors(loss_head=fused), transforms=[MemoryOptimization()])
+    params = [*model.parameters(), *model.buffers()]
+    measured = measure_saved(jitted, x, y, parameters=params)
+    measured.output.backward()
+    return Step(
+        loss=measured.output.detach(),
+        grads={n: p.grad for n, p in model.named_parameters()},
+        saved_bytes=measured.activation_bytes,
+        forward_trace=thunder.last_traces(jitted)[-1],
+        backward_trace=thunder.last_backward_traces(jitted)[-1],
+    )
+
+
+def _names(trace):
+    return {b.sym.name for b in trace.bound_symbols}
+
+
+def _assert_close_grads(step, reference, bound):
+    for name, grad in reference.grads.items():
+        error = (step.grads[name].float() - grad.float()).norm() / grad.float().norm()
+        assert error <= bound, (name, error.item())
+
+
+@pytest.mark.parametrize("model_name", [STABLECODE, LLAMA])
+def test_jit_fuses_the_head_in_fp32_within_rounding(model_name):
+    unfused = _jit_step(model_name, fused=False, dtype=torch.float32, upcast=True, ignore=True)
+    fused = _jit_step(model_name, fused=True, dtype=torch.float32, upcast=True, ignore=True)
+    assert "memopt_linear_cross_entropy_forward" in _names(fused.forward_trace)
+    assert "memopt_linear_cross_entropy_backward" in _names(fused.backward_trace)
+    torch.testing.assert_close(fused.loss, unfused.loss, **FP32)
+    for name, grad in unfused.grads.items():
+        torch.testing.assert_close(fused.grads[name], grad, **FP32_GRAD, msg=name)
+
+
+def test_jit_bf16_head_within_bf16_tolerance_and_fusion_off_is_plain_thunder():
+    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=SEQ_LEN)
+    x, y = random_batch(cfg, batch_size=1, seq_len=SEQ_LEN)
+
+    def step(**jit_options):
+        model = GPTWithLoss(build_model(cfg))
+        loss = thunder.jit(model, **jit_options)(x, y)
+        loss.backward()
+        return Step(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, 0, None, None)
+
+    plain = step()
+    fused = step(executors=executors(), transforms=[MemoryOptimization()])
+    off = step(executors=executors(fusion=False), transforms=[MemoryOptimization()])
+    assert_same_numerics(off, plain)
+    torch.testing.assert_close(fused.loss, plain.loss, rtol=1e-2, atol=0)
+    _assert_close_grads(fused, plain, BF16_GRAD_RELATIVE_ERROR)
+
+
+def test_saved_bytes_of_the_head_do_not_grow_with_the_vocabulary():
+    saved = {
+        (fused, vocab): _jit_step(STABLECODE, fused=fused, vocab_size=vocab).saved_bytes
+        for fused in (False, True) for vocab in (512, 4096)
+    }
+    # Unfused: at least one T x vocab tensor (the log-softmax; on CUDA the logits too) is saved.
+    assert saved[False, 4096] - saved[False, 512] >= SEQ_LEN * (4096 - 512) * 2
+    assert saved[True, 4096] == saved[True, 512] < saved[False, 512]
+
+
+def test_measured_peak_is_lower_with_the_fused_head(monkeypatch):
+    # Chunks of 128 tokens (the smallest), as a real vocabulary gives at long sequences.
+    monkeypatch.setattr(lce_module, "_CHUNK_LOGIT_BYTES", 1)
+    # Tokens x vocab well above vocab x n_embd, as in real models (stablecode at T=8192: 3.2 x).
+    seq_len = 1024
+    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=seq_len, vocab_size=8192)
+    x, y = random_batch(cfg, batch_size=1, seq_len=seq_len)
+    peaks = {}
+    for fused in (False, True):
+        model = GPTWithLoss(build_model(cfg))
+        jitted = thunder.jit(model, executors=executors(loss_head=fused), transforms=[MemoryOptimization()])
+        jitted(x, y).backward()  # compile outside the measured step
+        peaks[fused] = peak_live_bytes(lambda: jitted(x, y).backward())
+    # Unfused, the bf16 logits, their log-softmax and the logits' gradient are alive at the head's
+    # backward; fused, only one chunk's logits, in fp32 and bf16.
+    logits_bytes = seq_len * 8192 * 2
+    assert peaks[True] <= peaks[False] - 2 * logits_bytes, peaks
+
+
+def test_thunderfx_backend_fuses_the_head():
+    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=SEQ_LEN)
+    x, y = random_batch(cfg, batch_size=1, seq_len=SEQ_LEN)
+    results = {}
+    for fused in (False, True):
+        torch._dynamo.reset()
+        model = GPTWithLoss(build_model(cfg, dtype=torch.float32), upcast_logits=True)
+        backend = thunderfx_backend(loss_head=fused)
+        loss = torch.compile(model, backend=backend)(x, y)
+        loss.backward()
+        traces = [t for info in backend.compiler.subgraph_infos for fn in info.thunder_compiled_fns
+                  for t in (thunder.last_traces(fn)[-1],)]
+        names = set().union(*(_names(t) for t in traces))
+        assert ("memopt_linear_cross_entropy_forward" in names) == fused
+        results[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(results[True][0], results[False][0], **FP32)
+    for name, grad in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], grad, **FP32_GRAD, msg=name)
+
+
+def test_inference_uses_the_fused_forward_without_warnings():
+    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=SEQ_LEN)
+    x, y = random_batch(cfg, batch_size=1, seq_len=SEQ_LEN)
+    model = GPTWithLoss(build_model(cfg, dtype=torch.float32), upcast_logits=True)
+    expected = model(x, y)
+    jitted = thunder.jit(model, executors=executors(), transforms=[MemoryOptimization()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            got = jitted(x, y)
+    assert not [w for w in caught if "thunder_memopt" in str(w.message)]
+    assert "memopt_linear_cross_entropy" in _names(thunder.last_traces(jitted)[-1])
+    torch.testing.assert_close(got, expected, **FP32)

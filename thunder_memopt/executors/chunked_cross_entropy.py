@@ -1,0 +1,285 @@
+"""The fused loss head: a linear layer and its cross-entropy, without ever holding the logits.
+
+The head's output is tokens x vocabulary: for stablecode (vocab 49152) at T=8192 that is 768 MiB in
+bf16, and the unfused loss saves it, and its log-softmax, for the backward, then builds a gradient
+of the same size. Following Apple's Cut Cross-Entropy, this head walks the tokens in chunks:
+
+- forward: each chunk's logits, their log-sum-exp and the target's logit; only the log-sum-exp
+  (4 bytes a token) is kept;
+- backward: each chunk's logits again (one more matmul), the softmax gradient, and from it the
+  gradients of the hidden states and of the head's weight and bias. One of the two is summed over
+  the chunks in fp32 and cast once at the end: the weight's when the chunks are of tokens, the
+  hidden states' when they are of the vocabulary, whichever accumulator is smaller.
+
+So the backward needs the hidden states, the weight, the targets and the log-sum-exp, and no
+tensor of vocabulary size lives longer than a chunk. The logits are computed by the same matmul
+in the model's dtype as the unfused head and upcast per chunk, so the loss is the fp32 loss of the
+same logits; only the order of summation differs.
+
+Two ways in:
+- ``linear_cross_entropy(hidden, weight, targets, ...)``, a torch function (an autograd.Function)
+  for loops that compute the loss outside the compiled model;
+- the Thunder symbol ``memopt_linear_cross_entropy`` of ``linear_cross_entropy_ex``, which
+  MemoryOptimization's ``loss_head`` pass puts in place of ``linear -> cross_entropy`` in a trace
+  (thunder_memopt.loss_head). Its grad transform saves what the backward above needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import thunder.core.dtypes as dtypes
+from thunder.core.prims import OpTags
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grads
+from thunder.extend import OperatorExecutor, register_executor
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "REDUCTIONS"]
+
+REDUCTIONS = ("mean", "sum")
+# Bytes of one chunk's fp32 logits: big enough for efficient matmuls, small next to the activations.
+_CHUNK_LOGIT_BYTES = 128 * 2**20
+_CHUNK_MULTIPLE = 128
+
+
+def chunk_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per chunk: fp32 logits of about 128 MiB, a multiple of 128 tokens, at most all."""
+    per_chunk = max(_CHUNK_MULTIPLE, _CHUNK_LOGIT_BYTES // (4 * vocab) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+    return min(tokens, per_chunk)
+
+
+def _upcast(logits, softcap):
+    """A chunk's model-dtype logits in fp32, soft-capped if asked."""
+    logits = logits.float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _lse_and_target_logit(logits, target, softcap):
+    """Each row's log-sum-exp and its target's logit, from one chunk's model-dtype logits."""
+    z = _upcast(logits, softcap)
+    picked = z.gather(1, target.unsqueeze(1)).squeeze(1)
+    # In place: one chunk of fp32 logits is all the transient memory, when run eagerly.
+    top = z.amax(dim=-1, keepdim=True)
+    lse = z.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
+    return lse, picked
+
+
+def _logits_grad(logits, lse, column, hit, row_scale, softcap):
+    """d loss / d logits of one chunk, in the logits' dtype: softmax - one_hot(target), times each
+    row's scale (zero for ignored tokens). ``column`` is each row's target column in the chunk, and
+    ``hit`` says whether the target falls in it."""
+    z = _upcast(logits, softcap)
+    # d(c tanh(x/c))/dx, from the capped logits, before they are overwritten.
+    capped = None if softcap is None else z.div(softcap).square_().neg_().add_(1.0)
+    g = z.sub_(lse[:, None]).exp_()
+    rows = torch.arange(g.shape[0], device=g.device)
+    g[rows, column] -= hit.to(g.dtype)
+    g *= row_scale[:, None]
+    if capped is not None:
+        g *= capped
+    return g.to(logits.dtype)
+
+
+# On CUDA each chunk's math is one inductor kernel that reads the model-dtype logits once, instead
+# of several passes over fp32 copies; elsewhere it runs eagerly, in place.
+_COMPILED = {f: torch.compile(f, dynamic=False) for f in (_lse_and_target_logit, _logits_grad)}
+
+
+def _per_chunk(f, logits):
+    return _COMPILED[f] if logits.is_cuda else f
+
+
+def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype):
+    """(loss, log-sum-exp of every token) for (N, C) hidden states and (N,) targets."""
+    n = hidden.shape[0]
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        logits = torch.nn.functional.linear(hidden[start:stop], weight, bias)
+        t = targets[start:stop]
+        valid = t != ignore_index
+        lse[start:stop], picked = _per_chunk(_lse_and_target_logit, logits)(logits, torch.where(valid, t, 0), softcap)
+        del logits
+        total += torch.where(valid, lse[start:stop] - picked, 0.0).sum()
+    if reduction == "mean":
+        total = total / (targets != ignore_index).sum()
+    return total.to(out_dtype), lse
+
+
+def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, softcap, chunk,
+              needs_weight_grad):
+    """Gradients of the hidden states, the weight and the bias (None where not needed).
+
+    The walk goes over whichever axis needs the smaller fp32 accumulator: over the vocabulary
+    (each slice of the weight's gradient exact, the hidden states' gradient summed, tokens x C)
+    when there are fewer tokens than classes, as in training; over the tokens (the weight's
+    gradient summed, vocab x C) at long context. ``chunk`` is the tokens per chunk of the forward,
+    which fixes the bytes of one chunk's logits either way."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    scale = grad.float()
+    if reduction == "mean":
+        scale = scale / (targets != ignore_index).sum()
+    valid = targets != ignore_index
+    row_scale = torch.where(valid, scale, 0.0)
+    target = torch.where(valid, targets, 0)
+    with_bias = bias is not None and needs_weight_grad
+    if n < vocab:
+        width = max(1, chunk * vocab // n)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty_like(weight) if needs_weight_grad else None
+        grad_bias = torch.empty_like(bias) if with_bias else None
+        for start in range(0, vocab, width):
+            stop = min(vocab, start + width)
+            w = weight[start:stop]
+            logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[start:stop])
+            hit = valid & (target >= start) & (target < stop)
+            column = (target - start).clamp_(0, stop - start - 1)
+            g = _per_chunk(_logits_grad, logits)(logits, lse, column, hit, row_scale, softcap)
+            del logits
+            grad_hidden += (g @ w).float()
+            if grad_weight is not None:
+                grad_weight[start:stop] = g.t() @ hidden
+            if grad_bias is not None:
+                grad_bias[start:stop] = g.float().sum(0).to(bias.dtype)
+        return grad_hidden.to(hidden.dtype), grad_weight, grad_bias
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight_grad else None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_bias else None
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        h = hidden[start:stop]
+        logits = torch.nn.functional.linear(h, weight, bias)
+        g = _per_chunk(_logits_grad, logits)(logits, lse[start:stop], target[start:stop], valid[start:stop],
+                                             row_scale[start:stop], softcap)
+        del logits
+        grad_hidden[start:stop] = g @ weight
+        if grad_weight is not None:
+            grad_weight += (g.t() @ h).float()
+        if grad_bias is not None:
+            grad_bias += g.float().sum(0)
+    return (
+        grad_hidden,
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+    )
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk):
+        loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, torch.float32)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.options = (ignore_index, reduction, softcap, chunk)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        needs_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        gh, gw, gb = _backward(grad, hidden, weight, bias, targets, lse, *ctx.options, needs_weight_grad)
+        return gh, gw, gb, None, None, None, None, None
+
+
+def _check_options(ignore_index, reduction, softcap, chunk_size) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"linear_cross_entropy: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"linear_cross_entropy: reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise ValueError(f"linear_cross_entropy: softcap must be None or a number > 0, got {softcap!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"linear_cross_entropy: chunk_size must be None or an int >= 1, got {chunk_size!r}")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(linear(hidden, weight, bias), targets)`` in fp32, never holding the logits.
+
+    Args:
+        hidden: (..., C) hidden states.
+        weight: (V, C) head weight; ``bias``: (V,) or None.
+        targets: (...) class indices, the leading shape of ``hidden``.
+        ignore_index: targets equal to it add nothing and are not counted by ``mean``.
+        reduction: "mean" or "sum".
+        softcap: if given, logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft-capping).
+        chunk_size: tokens per chunk; None picks about 128 MiB of fp32 logits per chunk.
+
+    Returns the fp32 scalar loss.
+    """
+    _check_options(ignore_index, reduction, softcap, chunk_size)
+    if hidden.shape[:-1] != targets.shape or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: expected hidden (..., C), weight (V, C) and targets (...), got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}"
+        )
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0])
+    return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1), ignore_index, reduction,
+                                     None if softcap is None else float(softcap), chunk)
+
+
+# The Thunder executor and its symbols.
+
+linear_cross_entropy_ex = OperatorExecutor("memopt_linear_cross_entropy", version="0.1")
+register_executor(linear_cross_entropy_ex)
+
+
+def _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    return TensorProxy(like=hidden, shape=(), dtype=out_dtype)
+
+
+def _forward_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    lse = TensorProxy(like=hidden, shape=(hidden.shape[0],), dtype=dtypes.float32, requires_grad=False)
+    return _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype), lse
+
+
+def _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    return _forward(hidden, weight, bias, targets, ignore_index, reduction, None, chunk,
+                    dtypes.to_torch_dtype(out_dtype))
+
+
+def _loss_impl(*args):
+    return _forward_impl(*args)[0]
+
+
+def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk):
+    return (TensorProxy(like=hidden), TensorProxy(like=weight), None if bias is None else TensorProxy(like=bias))
+
+
+def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk):
+    return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, None, chunk, True)
+
+
+# Tagged as a matmul: the recompute pass replays it only below budget 1.0, like the head's linear.
+_TAGS = (OpTags.MATMUL_OP, OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD)
+head_loss = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy", meta=_loss_meta, fn=_loss_impl, tags=_TAGS)
+head_forward = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_forward", meta=_forward_meta, fn=_forward_impl, tags=_TAGS)
+head_backward = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_backward", meta=_backward_meta, fn=_backward_impl, tags=(OpTags.MATMUL_OP,))
+
+
+def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    loss, lse = head_forward(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)
+    grad_hidden, grad_weight, grad_bias = head_backward(
+        get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk)
+    if bias is None:
+        put_grads((hidden, weight), (grad_hidden, grad_weight))
+    else:
+        put_grads((hidden, weight, bias), (grad_hidden, grad_weight, grad_bias))
+    return loss
+
+
+linear_cross_entropy_ex.register_implementation(head_loss, head_loss, grad_transform=_grad)

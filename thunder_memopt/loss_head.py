@@ -1,0 +1,141 @@
+"""The loss-head pass: ``linear -> cross_entropy`` in a trace becomes the fused loss head.
+
+A model that computes its loss in the compiled function (litgpt's ``GPT`` and
+``F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))``, in the model's dtype or upcast)
+traces to a ``linear`` whose only use is a chain of reshapes and casts into ``cross_entropy``.
+That chain is what holds the logits. The pass replaces it, before Thunder's autodiff, by
+``memopt_linear_cross_entropy`` (thunder_memopt.executors.chunked_cross_entropy), whose grad
+transform saves the hidden states and the log-sum-exp instead of the logits and their
+log-softmax.
+
+It rewrites only what it can prove equal: the logits used by nothing but the chain, a mean or sum
+reduction, no class weights, no label smoothing, and targets of one index per token. Anything
+else is left as it was.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import thunder.core.dtypes as dtypes
+import thunder.torch as ltorch
+from thunder.core import prims, utils
+from thunder.core.proxies import ProxyInterface, TensorProxy, variableify
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+
+from thunder_memopt.executors.chunked_cross_entropy import REDUCTIONS, chunk_tokens, head_loss
+
+__all__ = ["LossHead", "find_loss_heads", "fuse_loss_heads"]
+
+_CROSS_ENTROPY = inspect.signature(ltorch.cross_entropy.meta)
+# Between the head's linear and the cross-entropy: ops that change only shape or dtype.
+_RESHAPES = {ltorch.reshape.id, ltorch.view.id}
+_CASTS = {ltorch.to.id, prims.PrimIDs.CONVERT_ELEMENT_TYPE}
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """A ``linear -> (reshapes, casts) -> cross_entropy`` chain that the pass can fuse."""
+
+    linear: BoundSymbol
+    chain: tuple[BoundSymbol, ...]  # from the linear's consumer to the cross-entropy, inclusive
+    shapes: tuple[BoundSymbol, ...]  # ``shape`` queries of the logits, dropped with them
+    ignore_index: int
+    reduction: str
+
+
+def _only_consumer(t: TensorProxy, consumers, shapes: list[BoundSymbol]) -> BoundSymbol | None:
+    """The one bound symbol that reads ``t``, not counting ``shape`` queries with constant results."""
+    readers = []
+    for b in consumers.get(t, ()):
+        if b.sym.id == prims.PrimIDs.SHAPE and not any(isinstance(o, ProxyInterface) for o in b.flat_outs):
+            shapes.append(b)
+        else:
+            readers.append(b)
+    return readers[0] if len(readers) == 1 else None
+
+
+def _match(linear: BoundSymbol, consumers) -> LossHead | None:
+    logits = linear.output
+    if not isinstance(logits, TensorProxy) or logits.ndim < 2:
+        return None
+    vocab, tokens = logits.shape[-1], math.prod(logits.shape[:-1])
+    shapes: list[BoundSymbol] = []
+    chain: list[BoundSymbol] = []
+    t = logits
+    while True:
+        b = _only_consumer(t, consumers, shapes)
+        if b is None:
+            return None
+        chain.append(b)
+        if b.sym.id == ltorch.cross_entropy.id:
+            break
+        out = b.output
+        if not isinstance(out, TensorProxy) or b.flat_proxy_args[0] is not t:
+            return None
+        if b.sym.id in _RESHAPES:
+            if out.shape[-1] != vocab:
+                return None
+        elif b.sym.id in _CASTS:
+            if not dtypes.is_float_dtype(out.dtype):
+                return None
+        else:
+            return None
+        t = out
+    bound = _CROSS_ENTROPY.bind(*chain[-1].args, **chain[-1].kwargs)
+    bound.apply_defaults()
+    a, target = bound.arguments["a"], bound.arguments["target"]
+    ok = (
+        a is t and tuple(a.shape) == (tokens, vocab)
+        and isinstance(target, TensorProxy) and tuple(target.shape) == (tokens,)
+        and not dtypes.is_float_dtype(target.dtype)
+        and bound.arguments["weight"] is None and bound.arguments["size_average"] is None
+        and bound.arguments["reduce"] is None and bound.arguments["label_smoothing"] == 0.0
+        and bound.arguments["reduction"] in REDUCTIONS
+        and isinstance(bound.arguments["ignore_index"], int)
+    )
+    if not ok:
+        return None
+    return LossHead(linear, tuple(chain), tuple(shapes), bound.arguments["ignore_index"], bound.arguments["reduction"])
+
+
+def find_loss_heads(trace: TraceCtx) -> list[LossHead]:
+    """Every fusable ``linear -> cross_entropy`` chain of a (pre-autodiff) computation trace."""
+    consumers = utils.consumers(trace)
+    found = (_match(b, consumers) for b in trace.bound_symbols if b.sym.id == ltorch.linear.id)
+    return [h for h in found if h is not None]
+
+
+def fuse_loss_heads(trace: TraceCtx) -> TraceCtx:
+    """The trace with each loss head fused; the trace itself if it has none."""
+    heads = find_loss_heads(trace)
+    if not heads:
+        return trace
+    new = from_trace(trace)
+    replacement: dict[int, list[BoundSymbol]] = {}
+    dropped: set[int] = set()
+    for head in heads:
+        x, weight, bias = (list(head.linear.args) + [None])[:3]
+        ce = head.chain[-1]
+        target = _CROSS_ENTROPY.bind(*ce.args, **ce.kwargs).arguments["target"]
+        tokens, vocab = target.shape[0], weight.shape[0]
+        scope: list[BoundSymbol] = []
+        new.push_scope(scope)
+        with tracectx(new):
+            hidden = ltorch.reshape(x, (tokens, x.shape[-1]))
+            loss = head_loss(hidden, weight, bias, target, head.ignore_index, head.reduction,
+                             chunk_tokens(tokens, vocab), ce.output.dtype)
+        new.pop_scope()
+        scope[-1] = scope[-1].from_bsym_swap_proxies({variableify(loss): ce.output})
+        replacement[id(ce)] = scope
+        dropped.update(id(b) for b in (head.linear, *head.chain[:-1], *head.shapes))
+    bsyms: list[BoundSymbol] = []
+    for b in trace.bound_symbols:
+        if id(b) not in dropped:
+            bsyms.extend(replacement.get(id(b), [b]))
+    new.bound_symbols = bsyms
+    new.set_provenance(TraceProvenance(f"thunder_memopt loss_head: {len(heads)} linear+cross_entropy fused"))
+    return new
