@@ -14,7 +14,13 @@ from thunder.extend import FusionExecutor
 import thunder_memopt.transform as transform_module
 from _train import assert_same_numerics, train_step
 from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
-from thunder_memopt.executors import InductorFusionExecutor, cudnn_attention_ex, cudnn_supports, fusion_ex
+from thunder_memopt.executors import (
+    InductorFusionExecutor,
+    cudnn_attention_ex,
+    cudnn_supports,
+    fusion_ex,
+    linear_cross_entropy_ex,
+)
 
 STABLECODE = "stablecode-completion-alpha-3b"
 # Inductor's C++ code rounds differently from ATen's kernels (the norms' reductions run in another
@@ -128,14 +134,15 @@ def test_on_cpu_attention_is_not_claimed_by_cudnn():
 def test_executors_leave_fusion_to_nvfuser_where_it_is_a_default(monkeypatch):
     fake_nvfuser = FusionExecutor("nvfuser")
     defaults = list(thunder.get_default_executors())
-    assert executors()[:2] == [cudnn_attention_ex, fusion_ex]
+    assert executors()[:3] == [linear_cross_entropy_ex, cudnn_attention_ex, fusion_ex]
     assert executors(fusion=False, cudnn_attention=False) == defaults
     monkeypatch.setattr(thunder, "get_default_executors", lambda: [fake_nvfuser, *defaults])
+    # nvFuser fuses what the fusion executor would; the loss head is another matter, and stays.
     chosen = executors()
-    assert fusion_ex not in chosen and chosen[:2] == [cudnn_attention_ex, fake_nvfuser]
+    assert fusion_ex not in chosen and chosen[:3] == [linear_cross_entropy_ex, cudnn_attention_ex, fake_nvfuser]
 
 
-@pytest.mark.parametrize("kwargs", [{"fusion": 1}, {"cudnn_attention": "yes"}])
+@pytest.mark.parametrize("kwargs", [{"fusion": 1}, {"cudnn_attention": "yes"}, {"loss_head": 0}])
 def test_executors_reject_options_that_are_not_bools(kwargs):
     (name,) = kwargs
     with pytest.raises(TypeError, match=name):
@@ -149,7 +156,9 @@ def test_thunderfx_backend_rejects_what_is_not_a_memory_optimization(argument):
 
 
 def test_thunderfx_backend_uses_thunder_memopts_executors_unless_given_others():
-    assert thunderfx_backend().compiler.thunder_options["executors"][:2] == [cudnn_attention_ex, fusion_ex]
-    assert fusion_ex not in thunderfx_backend(fusion=False).compiler.thunder_options["executors"]
+    assert thunderfx_backend().compiler.thunder_options["executors"][:3] == [
+        linear_cross_entropy_ex, cudnn_attention_ex, fusion_ex]
+    off = thunderfx_backend(fusion=False).compiler.thunder_options["executors"]
+    assert fusion_ex not in off and linear_cross_entropy_ex not in off
     mine = list(thunder.get_default_executors())
     assert thunderfx_backend(executors=mine).compiler.thunder_options["executors"] == mine

@@ -37,8 +37,9 @@ def _reference(hidden, weight, targets, bias=None, ignore_index=-100, reduction=
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("with_bias,softcap", [(False, None), (True, None), (False, 30.0)])
-@pytest.mark.parametrize("vocab", [1000, 100])  # the backward walks the vocabulary, then the tokens
-def test_function_matches_cross_entropy_of_the_linear(reduction, with_bias, softcap, vocab):
+# vocab 1000: the backward walks the vocabulary; 100: the tokens; None: the gradients in the forward.
+@pytest.mark.parametrize("vocab,in_forward", [(1000, False), (100, False), (1000, True)])
+def test_function_matches_cross_entropy_of_the_linear(reduction, with_bias, softcap, vocab, in_forward):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 150, 64, generator=g, requires_grad=True)
     weight = torch.randn(vocab, 64, generator=g).mul_(0.2).requires_grad_()
@@ -50,7 +51,8 @@ def test_function_matches_cross_entropy_of_the_linear(reduction, with_bias, soft
     expected = _reference(hidden, weight, targets, bias, reduction=reduction, softcap=softcap)
     expected_grads = torch.autograd.grad(expected, inputs)
     # 64 tokens a chunk: 300 tokens in five chunks, the last one partial.
-    got = linear_cross_entropy(hidden, weight, targets, bias, reduction=reduction, softcap=softcap, chunk_size=64)
+    got = linear_cross_entropy(hidden, weight, targets, bias, reduction=reduction, softcap=softcap, chunk_size=64,
+                               gradients_in_forward=in_forward)
     got_grads = torch.autograd.grad(got, inputs)
 
     torch.testing.assert_close(got, expected, **FP32)
@@ -65,6 +67,7 @@ def test_function_rejects_bad_options():
         ({"ignore_index": 1.5}, TypeError, "ignore_index"),
         ({"softcap": 0}, ValueError, "softcap"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
+        ({"gradients_in_forward": 1}, TypeError, "gradients_in_forward"),
     ]:
         with pytest.raises(error, match=name):
             linear_cross_entropy(h, w, t, **kwargs)
@@ -73,7 +76,7 @@ def test_function_rejects_bad_options():
 
 
 def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vocab_size=512, seq_len=SEQ_LEN,
-              ignore=False):
+              ignore=False, budget=1.0):
     """One step of GPTWithLoss (the loss in the trace) under thunder.jit with MemoryOptimization."""
     cfg = narrow_config(model_name, n_layer=2, n_embd=128, block_size=seq_len, vocab_size=vocab_size)
     model = GPTWithLoss(build_model(cfg, dtype=dtype), upcast_logits=upcast)
@@ -81,7 +84,8 @@ def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vo
     if ignore:
         y = y.clone()  # batch 1: the targets are a view of the same tokens as x
         y[:, :40] = -100
-    jitted = thunder.jit(model, executors=executors(loss_head=fused), transforms=[MemoryOptimization()])
+    jitted = thunder.jit(model, executors=executors(loss_head=fused),
+                         transforms=[MemoryOptimization(activation_budget=budget)])
     params = [*model.parameters(), *model.buffers()]
     measured = measure_saved(jitted, x, y, parameters=params)
     measured.output.backward()
@@ -104,12 +108,20 @@ def _assert_close_grads(step, reference, bound):
         assert error <= bound, (name, error.item())
 
 
-@pytest.mark.parametrize("model_name", [STABLECODE, LLAMA])
-def test_jit_fuses_the_head_in_fp32_within_rounding(model_name):
-    unfused = _jit_step(model_name, fused=False, dtype=torch.float32, upcast=True, ignore=True)
-    fused = _jit_step(model_name, fused=True, dtype=torch.float32, upcast=True, ignore=True)
-    assert "memopt_linear_cross_entropy_forward" in _names(fused.forward_trace)
-    assert "memopt_linear_cross_entropy_backward" in _names(fused.backward_trace)
+# Budget 1.0: the gradients in the forward; below it: the logits recomputed in the backward.
+SYMBOLS = {
+    1.0: ("memopt_linear_cross_entropy_forward_with_gradients", "memopt_linear_cross_entropy_scale_gradients"),
+    0.5: ("memopt_linear_cross_entropy_forward", "memopt_linear_cross_entropy_backward"),
+}
+
+
+@pytest.mark.parametrize("model_name,budget", [(STABLECODE, 1.0), (LLAMA, 1.0), (STABLECODE, 0.5)])
+def test_jit_fuses_the_head_in_fp32_within_rounding(model_name, budget):
+    unfused = _jit_step(model_name, fused=False, dtype=torch.float32, upcast=True, ignore=True, budget=budget)
+    fused = _jit_step(model_name, fused=True, dtype=torch.float32, upcast=True, ignore=True, budget=budget)
+    forward_symbol, backward_symbol = SYMBOLS[budget]
+    assert forward_symbol in _names(fused.forward_trace)
+    assert backward_symbol in _names(fused.backward_trace)
     torch.testing.assert_close(fused.loss, unfused.loss, **FP32)
     for name, grad in unfused.grads.items():
         torch.testing.assert_close(fused.grads[name], grad, **FP32_GRAD, msg=name)
@@ -133,14 +145,18 @@ def test_jit_bf16_head_within_bf16_tolerance_and_fusion_off_is_plain_thunder():
     _assert_close_grads(fused, plain, BF16_GRAD_RELATIVE_ERROR)
 
 
-def test_saved_bytes_of_the_head_do_not_grow_with_the_vocabulary():
+def test_saved_bytes_of_the_head_do_not_grow_with_the_tokens_times_the_vocabulary():
     saved = {
-        (fused, vocab): _jit_step(STABLECODE, fused=fused, vocab_size=vocab).saved_bytes
-        for fused in (False, True) for vocab in (512, 4096)
+        (fused, budget, vocab): _jit_step(STABLECODE, fused=fused, vocab_size=vocab, budget=budget).saved_bytes
+        for fused, budget in ((False, 1.0), (True, 1.0), (True, 0.5)) for vocab in (512, 4096)
     }
     # Unfused: at least one T x vocab tensor (the log-softmax; on CUDA the logits too) is saved.
-    assert saved[False, 4096] - saved[False, 512] >= SEQ_LEN * (4096 - 512) * 2
-    assert saved[True, 4096] == saved[True, 512] < saved[False, 512]
+    assert saved[False, 1.0, 4096] - saved[False, 1.0, 512] >= SEQ_LEN * (4096 - 512) * 2
+    # Recomputing in the backward: nothing of vocabulary size.
+    assert saved[True, 0.5, 4096] == saved[True, 0.5, 512] < saved[False, 1.0, 512]
+    # Gradients in the forward: the head weight's gradient (vocab x n_embd), which the backward
+    # hands on at once, and nothing of T x vocab.
+    assert saved[True, 1.0, 4096] - saved[True, 1.0, 512] == (4096 - 512) * 128 * 2
 
 
 def test_measured_peak_is_lower_with_the_fused_head(monkeypatch):
@@ -175,7 +191,7 @@ def test_thunderfx_backend_fuses_the_head():
         traces = [t for info in backend.compiler.subgraph_infos for fn in info.thunder_compiled_fns
                   for t in (thunder.last_traces(fn)[-1],)]
         names = set().union(*(_names(t) for t in traces))
-        assert ("memopt_linear_cross_entropy_forward" in names) == fused
+        assert (SYMBOLS[1.0][0] in names) == fused
         results[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     torch.testing.assert_close(results[True][0], results[False][0], **FP32)
     for name, grad in results[False][1].items():

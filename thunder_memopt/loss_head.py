@@ -109,8 +109,12 @@ def find_loss_heads(trace: TraceCtx) -> list[LossHead]:
     return [h for h in found if h is not None]
 
 
-def fuse_loss_heads(trace: TraceCtx) -> TraceCtx:
-    """The trace with each loss head fused; the trace itself if it has none."""
+def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> TraceCtx:
+    """The trace with each loss head fused; the trace itself if it has none.
+
+    ``gradients_in_forward`` chooses how the head trains (executors.chunked_cross_entropy): with
+    the gradients computed in the forward (one matmul less), or recomputing the logits in the
+    backward (the least memory)."""
     heads = find_loss_heads(trace)
     if not heads:
         return trace
@@ -126,8 +130,9 @@ def fuse_loss_heads(trace: TraceCtx) -> TraceCtx:
         new.push_scope(scope)
         with tracectx(new):
             hidden = ltorch.reshape(x, (tokens, x.shape[-1]))
-            loss = head_loss(hidden, weight, bias, target, head.ignore_index, head.reduction,
-                             chunk_tokens(tokens, vocab), ce.output.dtype)
+            chunk = chunk_tokens(tokens, vocab, gradients_in_forward=gradients_in_forward)
+            loss = head_loss(hidden, weight, bias, target, head.ignore_index, head.reduction, chunk,
+                             ce.output.dtype, gradients_in_forward)
         new.pop_scope()
         scope[-1] = scope[-1].from_bsym_swap_proxies({variableify(loss): ce.output})
         replacement[id(ce)] = scope

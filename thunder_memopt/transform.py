@@ -126,7 +126,11 @@ class MemoryOptimization(Transform):
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         if "loss_head" in self.passes and linear_cross_entropy_ex in kwargs.get("executors_list", ()):
-            fused = self._guarded("loss_head", "the loss unfused", lambda: loss_head.fuse_loss_heads(computation_trace))
+            # At budget 1.0 (time first) the head computes its gradients in the forward, one matmul
+            # less; below it, it recomputes its logits in the backward, the least memory.
+            in_forward = self.activation_budget == 1.0
+            fused = self._guarded("loss_head", "the loss unfused",
+                                  lambda: loss_head.fuse_loss_heads(computation_trace, gradients_in_forward=in_forward))
             if fused is not None:
                 computation_trace = fused
         return prologue_trace, computation_trace, epilogue_trace

@@ -4,13 +4,15 @@ For the heads of stablecode (n_embd 2560, vocab 49152) and Llama-3-8B (4096, 128
 bf16: forward and backward time (median of CUDA-event timings), the peak memory above the inputs,
 and the relative error of the loss and of each gradient against an fp32 reference, for
 ``F.cross_entropy(F.linear(h, W))`` in eager and under torch.compile (inductor), and for the fused
-head. Run on a GPU:
+head both ways (the logits recomputed in the backward; the gradients computed in the forward). With
+``--profile``, the fused head's top CUDA kernels. Run on a GPU:
 
     python benchmarks/diagnostics/loss_head.py
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 
@@ -63,6 +65,7 @@ def main() -> int:
         print("needs a GPU")
         return 2
     print(f"T={TOKENS}, bf16; peak = max allocated above the inputs during forward+backward\n")
+    profiles: list[str] = []
     print("| head | loss | fwd+bwd ms | peak MiB | loss rel err | d hidden | d weight |")
     print("|---|---|---|---|---|---|---|")
     for name, n_embd, vocab in HEADS:
@@ -73,13 +76,29 @@ def main() -> int:
         ref_h, ref_w = (t.detach().float().requires_grad_() for t in (hidden, weight))
         ref = unfused(ref_h, ref_w, targets)
         ref.backward()
+        in_forward = functools.partial(linear_cross_entropy, gradients_in_forward=True)
         for label, fn in (("eager F.cross_entropy", unfused), ("inductor", torch.compile(unfused)),
-                          ("thunder_memopt.linear_cross_entropy", linear_cross_entropy)):
+                          ("linear_cross_entropy (logits recomputed in backward)", linear_cross_entropy),
+                          ("linear_cross_entropy (gradients in forward)", in_forward)):
             ms, peak, loss, (gh, gw) = measure(fn, hidden, weight, targets)
             print(f"| {name} | {label} | {ms:.2f} | {peak:.0f} | {relative_error(loss, ref.detach()):.1e} | "
                   f"{relative_error(gh, ref_h.grad):.1e} | {relative_error(gw, ref_w.grad):.1e} |", flush=True)
+            if "--profile" in sys.argv and fn in (linear_cross_entropy, in_forward):
+                profiles.append(f"{name}, {label}:\n" + profile(fn, hidden, weight, targets))
         del ref_h, ref_w, ref
+    for table in profiles:
+        print("\n```\n" + table + "```")
     return 0
+
+
+def profile(fn, hidden, weight, targets) -> str:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(hidden, weight, targets).backward()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
 
 
 if __name__ == "__main__":

@@ -41,15 +41,18 @@ _CHUNK_LOGIT_BYTES = 128 * 2**20
 _CHUNK_MULTIPLE = 128
 
 
-def chunk_tokens(tokens: int, vocab: int) -> int:
-    """Tokens per chunk: fp32 logits of about 128 MiB, a multiple of 128 tokens, at most all."""
-    per_chunk = max(_CHUNK_MULTIPLE, _CHUNK_LOGIT_BYTES // (4 * vocab) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+def chunk_tokens(tokens: int, vocab: int, *, gradients_in_forward: bool = False) -> int:
+    """Tokens per chunk: fp32 logits of about 128 MiB (four times that with the gradients in the
+    forward, where each chunk adds its product to a vocab x C accumulator, so fewer chunks are
+    faster), a multiple of 128 tokens, at most all."""
+    budget = _CHUNK_LOGIT_BYTES * (4 if gradients_in_forward else 1)
+    per_chunk = max(_CHUNK_MULTIPLE, budget // (4 * vocab) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
     return min(tokens, per_chunk)
 
 
 def _upcast(logits, softcap):
-    """A chunk's model-dtype logits in fp32, soft-capped if asked."""
-    logits = logits.float()
+    """A chunk's model-dtype logits in fp32, soft-capped if asked; a new tensor, free to overwrite."""
+    logits = logits.to(torch.float32, copy=True)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
@@ -81,9 +84,17 @@ def _logits_grad(logits, lse, column, hit, row_scale, softcap):
     return g.to(logits.dtype)
 
 
+def _loss_terms_and_logits_grad(logits, target, hit, row_scale, softcap):
+    lse, picked = _lse_and_target_logit(logits, target, softcap)
+    return lse, picked, _logits_grad(logits, lse, target, hit, row_scale, softcap)
+
+
 # On CUDA each chunk's math is one inductor kernel that reads the model-dtype logits once, instead
 # of several passes over fp32 copies; elsewhere it runs eagerly, in place.
-_COMPILED = {f: torch.compile(f, dynamic=False) for f in (_lse_and_target_logit, _logits_grad)}
+_COMPILED = {
+    f: torch.compile(f, dynamic=False)
+    for f in (_lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad)
+}
 
 
 def _per_chunk(f, logits):
@@ -106,6 +117,37 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, ch
     if reduction == "mean":
         total = total / (targets != ignore_index).sum()
     return total.to(out_dtype), lse
+
+
+def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype):
+    """(loss, and the gradients of the hidden states, the weight and the bias for a unit upstream
+    gradient), in one walk over the tokens: the logits are computed once, and the weight's
+    gradient is summed over the chunks in fp32."""
+    n = hidden.shape[0]
+    valid = targets != ignore_index
+    target = torch.where(valid, targets, 0)
+    count = valid.sum()
+    row_scale = valid.float() / count if reduction == "mean" else valid.float()
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        h = hidden[start:stop]
+        logits = torch.nn.functional.linear(h, weight, bias)
+        lse, picked, g = _per_chunk(_loss_terms_and_logits_grad, logits)(
+            logits, target[start:stop], valid[start:stop], row_scale[start:stop], softcap)
+        del logits
+        total += torch.where(valid[start:stop], lse - picked, 0.0).sum()
+        grad_hidden[start:stop] = g @ weight
+        grad_weight += (g.t() @ h).float()
+        if grad_bias is not None:
+            grad_bias += g.float().sum(0)
+    if reduction == "mean":
+        total = total / count
+    return (total.to(out_dtype), grad_hidden, grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype))
 
 
 def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, softcap, chunk,
@@ -168,7 +210,13 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk):
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, gradients_in_forward):
+        ctx.gradients_in_forward = gradients_in_forward
+        if gradients_in_forward:
+            loss, *unit = _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, softcap,
+                                                  chunk, torch.float32)
+            ctx.unit = unit  # gradients, not inputs: kept as they are
+            return loss
         loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, torch.float32)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.options = (ignore_index, reduction, softcap, chunk)
@@ -176,10 +224,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        needs_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        gh, gw, gb = _backward(grad, hidden, weight, bias, targets, lse, *ctx.options, needs_weight_grad)
-        return gh, gw, gb, None, None, None, None, None
+        if ctx.gradients_in_forward:
+            grads, ctx.unit = _scale_impl(grad, *ctx.unit), None
+        else:
+            hidden, weight, bias, targets, lse = ctx.saved_tensors
+            needs_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+            grads = _backward(grad, hidden, weight, bias, targets, lse, *ctx.options, needs_weight_grad)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _check_options(ignore_index, reduction, softcap, chunk_size) -> None:
@@ -203,6 +254,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     softcap: float | None = None,
     chunk_size: int | None = None,
+    gradients_in_forward: bool = False,
 ) -> torch.Tensor:
     """``cross_entropy(linear(hidden, weight, bias), targets)`` in fp32, never holding the logits.
 
@@ -213,30 +265,47 @@ def linear_cross_entropy(
         ignore_index: targets equal to it add nothing and are not counted by ``mean``.
         reduction: "mean" or "sum".
         softcap: if given, logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft-capping).
-        chunk_size: tokens per chunk; None picks about 128 MiB of fp32 logits per chunk.
+        chunk_size: tokens per chunk; None picks about 128 MiB of fp32 logits per chunk (512 MiB
+            with ``gradients_in_forward``).
+        gradients_in_forward: compute the gradients in the forward with the logits it has (one
+            matmul less, and the weight's gradient held until the backward) instead of recomputing
+            the logits in the backward.
 
     Returns the fp32 scalar loss.
     """
     _check_options(ignore_index, reduction, softcap, chunk_size)
+    if not isinstance(gradients_in_forward, bool):
+        raise TypeError(f"linear_cross_entropy: gradients_in_forward must be True or False, got {gradients_in_forward!r}")
     if hidden.shape[:-1] != targets.shape or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear_cross_entropy: expected hidden (..., C), weight (V, C) and targets (...), got "
             f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}"
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0])
+    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0], gradients_in_forward=gradients_in_forward)
     return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1), ignore_index, reduction,
-                                     None if softcap is None else float(softcap), chunk)
+                                     None if softcap is None else float(softcap), chunk, gradients_in_forward)
 
 
-# The Thunder executor and its symbols.
+# The Thunder executor and its symbols. ``head_loss`` is what the loss_head pass puts in a trace; its
+# grad transform picks, by ``gradients_in_forward``, the forward/backward pair that training runs:
+# - False (Cut Cross-Entropy): the forward keeps the log-sum-exp, the backward recomputes each
+#   chunk's logits (one more matmul; nothing of vocabulary size is saved);
+# - True: the forward computes the gradients for a unit upstream gradient with the logits it has
+#   (no matmul is repeated) and saves them; the backward scales them. They are the head's own
+#   parameter and input gradients, which the backward would create at once anyway, so the peak is
+#   that of the first way or near it, for the time of one matmul less.
 
 linear_cross_entropy_ex = OperatorExecutor("memopt_linear_cross_entropy", version="0.1")
 register_executor(linear_cross_entropy_ex)
 
 
-def _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+def _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype, gradients_in_forward=False):
     return TensorProxy(like=hidden, shape=(), dtype=out_dtype)
+
+
+def _loss_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype, gradients_in_forward=False):
+    return _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)[0]
 
 
 def _forward_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
@@ -249,16 +318,31 @@ def _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk,
                     dtypes.to_torch_dtype(out_dtype))
 
 
-def _loss_impl(*args):
-    return _forward_impl(*args)[0]
-
-
 def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk):
     return (TensorProxy(like=hidden), TensorProxy(like=weight), None if bias is None else TensorProxy(like=bias))
 
 
 def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk):
     return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, None, chunk, True)
+
+
+def _with_gradients_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    grads = _backward_meta(None, hidden, weight, bias, targets, None, ignore_index, reduction, chunk)
+    return (_loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype), *grads)
+
+
+def _with_gradients_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    return _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, None, chunk,
+                                   dtypes.to_torch_dtype(out_dtype))
+
+
+def _scale_meta(grad, grad_hidden, grad_weight, grad_bias):
+    return (TensorProxy(like=grad_hidden), TensorProxy(like=grad_weight),
+            None if grad_bias is None else TensorProxy(like=grad_bias))
+
+
+def _scale_impl(grad, grad_hidden, grad_weight, grad_bias):
+    return tuple(None if g is None else g * grad for g in (grad_hidden, grad_weight, grad_bias))
 
 
 # Tagged as a matmul: the recompute pass replays it only below budget 1.0, like the head's linear.
@@ -269,16 +353,23 @@ head_forward = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_forward", meta=_forward_meta, fn=_forward_impl, tags=_TAGS)
 head_backward = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_backward", meta=_backward_meta, fn=_backward_impl, tags=(OpTags.MATMUL_OP,))
+head_forward_with_gradients = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_forward_with_gradients", meta=_with_gradients_meta, fn=_with_gradients_impl,
+    tags=_TAGS)
+head_scale_gradients = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_scale_gradients", meta=_scale_meta, fn=_scale_impl)
 
 
-def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    loss, lse = head_forward(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)
-    grad_hidden, grad_weight, grad_bias = head_backward(
-        get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk)
-    if bias is None:
-        put_grads((hidden, weight), (grad_hidden, grad_weight))
+def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype, gradients_in_forward=False):
+    if gradients_in_forward:
+        loss, *unit = head_forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, chunk,
+                                                  out_dtype)
+        grads = head_scale_gradients(get_grad(loss), *unit)
     else:
-        put_grads((hidden, weight, bias), (grad_hidden, grad_weight, grad_bias))
+        loss, lse = head_forward(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)
+        grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk)
+    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
+    put_grads(inputs, grads[: len(inputs)])
     return loss
 
 
