@@ -159,7 +159,15 @@ def test_saved_bytes_of_the_head_do_not_grow_with_the_tokens_times_the_vocabular
     assert saved[True, 1.0, 4096] - saved[True, 1.0, 512] == (4096 - 512) * 128 * 2
 
 
-def test_measured_peak_is_lower_with_the_fused_head(monkeypatch):
+# How many times the logits' bytes (T x vocab, bf16) the fused head takes off the measured peak, at
+# least (measured here: 1.48 and 1.64). Unfused, the logits, their log-softmax and the logits'
+# gradient are alive at the head's backward; with the gradients in the forward, the logits'
+# gradient is, during the forward; recomputing in the backward, only one chunk's logits.
+PEAK_CUT_IN_LOGITS = {1.0: 1.25, 0.5: 1.5}
+
+
+@pytest.mark.parametrize("budget", PEAK_CUT_IN_LOGITS)
+def test_measured_peak_is_lower_with_the_fused_head(monkeypatch, budget):
     # Chunks of 128 tokens (the smallest), as a real vocabulary gives at long sequences.
     monkeypatch.setattr(lce_module, "_CHUNK_LOGIT_BYTES", 1)
     # Tokens x vocab well above vocab x n_embd, as in real models (stablecode at T=8192: 3.2 x).
@@ -169,13 +177,12 @@ def test_measured_peak_is_lower_with_the_fused_head(monkeypatch):
     peaks = {}
     for fused in (False, True):
         model = GPTWithLoss(build_model(cfg))
-        jitted = thunder.jit(model, executors=executors(loss_head=fused), transforms=[MemoryOptimization()])
+        jitted = thunder.jit(model, executors=executors(loss_head=fused),
+                             transforms=[MemoryOptimization(activation_budget=budget)])
         jitted(x, y).backward()  # compile outside the measured step
         peaks[fused] = peak_live_bytes(lambda: jitted(x, y).backward())
-    # Unfused, the bf16 logits, their log-softmax and the logits' gradient are alive at the head's
-    # backward; fused, only one chunk's logits, in fp32 and bf16.
     logits_bytes = seq_len * 8192 * 2
-    assert peaks[True] <= peaks[False] - 2 * logits_bytes, peaks
+    assert peaks[True] <= peaks[False] - PEAK_CUT_IN_LOGITS[budget] * logits_bytes, peaks
 
 
 def test_thunderfx_backend_fuses_the_head():

@@ -41,12 +41,9 @@ _CHUNK_LOGIT_BYTES = 128 * 2**20
 _CHUNK_MULTIPLE = 128
 
 
-def chunk_tokens(tokens: int, vocab: int, *, gradients_in_forward: bool = False) -> int:
-    """Tokens per chunk: fp32 logits of about 128 MiB (four times that with the gradients in the
-    forward, where each chunk adds its product to a vocab x C accumulator, so fewer chunks are
-    faster), a multiple of 128 tokens, at most all."""
-    budget = _CHUNK_LOGIT_BYTES * (4 if gradients_in_forward else 1)
-    per_chunk = max(_CHUNK_MULTIPLE, budget // (4 * vocab) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+def chunk_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per chunk: fp32 logits of about 128 MiB, a multiple of 128 tokens, at most all."""
+    per_chunk = max(_CHUNK_MULTIPLE, _CHUNK_LOGIT_BYTES // (4 * vocab) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
     return min(tokens, per_chunk)
 
 
@@ -121,33 +118,31 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, ch
 
 def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype):
     """(loss, and the gradients of the hidden states, the weight and the bias for a unit upstream
-    gradient), in one walk over the tokens: the logits are computed once, and the weight's
-    gradient is summed over the chunks in fp32."""
+    gradient), computing the logits once.
+
+    Each chunk's logits become, in one kernel, its loss terms and its logits' gradient in the
+    model's dtype, written into one tokens x vocab buffer; two whole matmuls then give the
+    gradients, each rounded once as in the unfused head. Summing a vocab x C product per chunk
+    instead would cost a pass over an fp32 accumulator per chunk, slower than the matmuls for
+    Llama-3's 128k vocabulary. The buffer lives only inside this function."""
     n = hidden.shape[0]
     valid = targets != ignore_index
     target = torch.where(valid, targets, 0)
     count = valid.sum()
     row_scale = valid.float() / count if reduction == "mean" else valid.float()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    logits_grad = torch.empty((n, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        h = hidden[start:stop]
-        logits = torch.nn.functional.linear(h, weight, bias)
-        lse, picked, g = _per_chunk(_loss_terms_and_logits_grad, logits)(
+        logits = torch.nn.functional.linear(hidden[start:stop], weight, bias)
+        lse, picked, logits_grad[start:stop] = _per_chunk(_loss_terms_and_logits_grad, logits)(
             logits, target[start:stop], valid[start:stop], row_scale[start:stop], softcap)
         del logits
         total += torch.where(valid[start:stop], lse - picked, 0.0).sum()
-        grad_hidden[start:stop] = g @ weight
-        grad_weight += (g.t() @ h).float()
-        if grad_bias is not None:
-            grad_bias += g.float().sum(0)
     if reduction == "mean":
         total = total / count
-    return (total.to(out_dtype), grad_hidden, grad_weight.to(weight.dtype),
-            None if grad_bias is None else grad_bias.to(bias.dtype))
+    grad_bias = None if bias is None else logits_grad.sum(0, dtype=torch.float32).to(bias.dtype)
+    return total.to(out_dtype), logits_grad @ weight, logits_grad.t() @ hidden, grad_bias
 
 
 def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, softcap, chunk,
@@ -265,11 +260,11 @@ def linear_cross_entropy(
         ignore_index: targets equal to it add nothing and are not counted by ``mean``.
         reduction: "mean" or "sum".
         softcap: if given, logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft-capping).
-        chunk_size: tokens per chunk; None picks about 128 MiB of fp32 logits per chunk (512 MiB
-            with ``gradients_in_forward``).
+        chunk_size: tokens per chunk; None picks about 128 MiB of fp32 logits per chunk.
         gradients_in_forward: compute the gradients in the forward with the logits it has (one
-            matmul less, and the weight's gradient held until the backward) instead of recomputing
-            the logits in the backward.
+            matmul less; the logits' gradient, tokens x vocab in the model's dtype, lives during
+            the forward, and the gradients until the backward) instead of recomputing the logits
+            in the backward (nothing of vocabulary size saved).
 
     Returns the fp32 scalar loss.
     """
@@ -282,7 +277,7 @@ def linear_cross_entropy(
             f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}"
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0], gradients_in_forward=gradients_in_forward)
+    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0])
     return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1), ignore_index, reduction,
                                      None if softcap is None else float(softcap), chunk, gradients_in_forward)
 
@@ -293,8 +288,8 @@ def linear_cross_entropy(
 #   chunk's logits (one more matmul; nothing of vocabulary size is saved);
 # - True: the forward computes the gradients for a unit upstream gradient with the logits it has
 #   (no matmul is repeated) and saves them; the backward scales them. They are the head's own
-#   parameter and input gradients, which the backward would create at once anyway, so the peak is
-#   that of the first way or near it, for the time of one matmul less.
+#   parameter and input gradients, which the backward would create at once anyway; the cost is the
+#   logits' gradient (tokens x vocab, model dtype) during the head's forward.
 
 linear_cross_entropy_ex = OperatorExecutor("memopt_linear_cross_entropy", version="0.1")
 register_executor(linear_cross_entropy_ex)
