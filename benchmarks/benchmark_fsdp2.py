@@ -206,8 +206,36 @@ def checkpoint_every_block(gpt: torch.nn.Module) -> None:
     apply_activation_checkpointing(gpt, check_fn=lambda module: isinstance(module, Block))
 
 
-def shard_with_fsdp2(gpt: torch.nn.Module, trial: Trial) -> None:
-    """fully_shard each Block, the embedding, the head and the final norm, then the root.
+class HeadWithLoss(torch.nn.Module):
+    """GPTWithLoss with the head moved out of the GPT's forward, next to the loss.
+
+    Under torch.compile every FSDP2 unit (each Block) breaks the graph, and a graph break inside a
+    call splits its caller's frame too: the head would end the GPT's last graph and the loss start
+    another, and no compiler could fuse the two. Here they are one graph, for every backend alike.
+    (Only without final soft-capping, which litgpt applies after its head.)
+    """
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = gpt.lm_head
+        gpt.lm_head = torch.nn.Identity()
+        self.gpt = gpt
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from thunder_memopt.models import next_token_loss
+
+        return next_token_loss(self.head(self.gpt(input_ids)), targets)
+
+
+def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) -> None:
+    """fully_shard each Block of ``gpt`` and its embedding, then ``root`` (``gpt``, or GPTWithLoss
+    around it for the in-graph loss), whose unit holds the final norm, the head and the loss.
+
+    The head and the loss share the root's unit so that they compile in one graph (each FSDP2 unit
+    is a graph of its own under torch.compile), where a compiler can fuse the head with its
+    cross-entropy (thunder_memopt's loss_head pass). Under zero2 this leaves the peak as it was:
+    every unit stays gathered from its forward to its backward, and the head's forward and backward
+    sit on either side of the peak.
 
     The model is built in ``trial.dtype``, and the policy computes and reduces in that dtype, which
     for bf16 makes it a no-op cast (the reference numbers: bf16 model + MixedPrecisionPolicy(bf16)).
@@ -224,9 +252,8 @@ def shard_with_fsdp2(gpt: torch.nn.Module, trial: Trial) -> None:
     }
     for block in gpt.transformer.h:
         fully_shard(block, **options)
-    for module in (gpt.transformer.wte, gpt.lm_head, gpt.transformer.ln_f):
-        fully_shard(module, **options)
-    fully_shard(gpt, **options)
+    fully_shard(gpt.transformer.wte, **options)
+    fully_shard(root, **options)
 
 
 def memory_optimization(trial: Trial):
@@ -287,11 +314,16 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
     zero3 = trial.shard_mode == "zero3"
     if trial.backend == "eager-ac":
         checkpoint_every_block(gpt)  # before fully_shard, so FSDP2 wraps the checkpointed blocks
-    if trial.distributed_mode == "fsdp2":
-        shard_with_fsdp2(gpt, trial)
     from thunder_memopt.models import GPTWithLoss
 
-    module = GPTWithLoss(gpt) if trial.loss_mode == "in-graph" else gpt
+    if trial.loss_mode != "in-graph":
+        module = gpt
+    elif trial.distributed_mode == "fsdp2" and gpt.config.final_logit_softcapping is None:
+        module = HeadWithLoss(gpt)
+    else:
+        module = GPTWithLoss(gpt)
+    if trial.distributed_mode == "fsdp2":
+        shard_with_fsdp2(gpt, module, trial)
     autocast_device = device.type if trial.autocast else None
     memopt = memory_optimization(trial) if trial.backend == "thunder+memopt" else None
     executors = thunder_executors(trial) if trial.backend in THUNDER_BACKENDS else None
@@ -299,7 +331,7 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
         sharded = thunder_fsdp(module, trial, device, [memopt] if memopt is not None else [], executors)
         return Training(with_loss(sharded, trial.loss_mode), sharded, fsdp_root=None, reshard_after_forward=zero3,
                         autocast_device=autocast_device, memopt=memopt, executors=executors)
-    fsdp_root = gpt if trial.distributed_mode == "fsdp2" else None
+    fsdp_root = module if trial.distributed_mode == "fsdp2" else None
     compiled = compile_for_backend(module, trial, memopt, executors)
     return Training(with_loss(compiled, trial.loss_mode), module, fsdp_root=fsdp_root, reshard_after_forward=zero3,
                     autocast_device=autocast_device, memopt=memopt, executors=executors)
