@@ -18,6 +18,7 @@ from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, rando
 STABLECODE = "stablecode-completion-alpha-3b"
 LLAMA = "Llama-3-8B"
 SEQ_LEN = 192  # with chunk_size 128 below, the last chunk is partial
+N_LAYER = 1  # what is tested is the head; one block keeps the suite short
 # fp32: the fused loss sums the same fp32 logits in another order; the gradients sum over a few
 # hundred tokens (or classes) in another order too.
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -78,7 +79,7 @@ def test_function_rejects_bad_options():
 def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vocab_size=512, seq_len=SEQ_LEN,
               ignore=False, budget=1.0):
     """One step of GPTWithLoss (the loss in the trace) under thunder.jit with MemoryOptimization."""
-    cfg = narrow_config(model_name, n_layer=2, n_embd=128, block_size=seq_len, vocab_size=vocab_size)
+    cfg = narrow_config(model_name, n_layer=N_LAYER, n_embd=128, block_size=seq_len, vocab_size=vocab_size)
     model = GPTWithLoss(build_model(cfg, dtype=dtype), upcast_logits=upcast)
     x, y = random_batch(cfg, batch_size=1, seq_len=seq_len)
     if ignore:
@@ -128,7 +129,7 @@ def test_jit_fuses_the_head_in_fp32_within_rounding(model_name, budget):
 
 
 def test_jit_bf16_head_within_bf16_tolerance_and_fusion_off_is_plain_thunder():
-    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=SEQ_LEN)
+    cfg = narrow_config(STABLECODE, n_layer=N_LAYER, n_embd=128, block_size=SEQ_LEN)
     x, y = random_batch(cfg, batch_size=1, seq_len=SEQ_LEN)
 
     def step(**jit_options):
@@ -172,7 +173,7 @@ def test_measured_peak_is_lower_with_the_fused_head(monkeypatch, budget):
     monkeypatch.setattr(lce_module, "_CHUNK_LOGIT_BYTES", 1)
     # Tokens x vocab well above vocab x n_embd, as in real models (stablecode at T=8192: 3.2 x).
     seq_len = 1024
-    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=seq_len, vocab_size=8192)
+    cfg = narrow_config(STABLECODE, n_layer=N_LAYER, n_embd=128, block_size=seq_len, vocab_size=8192)
     x, y = random_batch(cfg, batch_size=1, seq_len=seq_len)
     peaks = {}
     for fused in (False, True):
@@ -186,7 +187,7 @@ def test_measured_peak_is_lower_with_the_fused_head(monkeypatch, budget):
 
 
 def test_thunderfx_backend_fuses_the_head():
-    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=SEQ_LEN)
+    cfg = narrow_config(STABLECODE, n_layer=N_LAYER, n_embd=128, block_size=SEQ_LEN)
     x, y = random_batch(cfg, batch_size=1, seq_len=SEQ_LEN)
     results = {}
     for fused in (False, True):
@@ -206,7 +207,7 @@ def test_thunderfx_backend_fuses_the_head():
 
 
 def test_inference_uses_the_fused_forward_without_warnings():
-    cfg = narrow_config(STABLECODE, n_layer=2, n_embd=128, block_size=SEQ_LEN)
+    cfg = narrow_config(STABLECODE, n_layer=N_LAYER, n_embd=128, block_size=SEQ_LEN)
     x, y = random_batch(cfg, batch_size=1, seq_len=SEQ_LEN)
     model = GPTWithLoss(build_model(cfg, dtype=torch.float32), upcast_logits=True)
     expected = model(x, y)
