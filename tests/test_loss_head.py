@@ -9,10 +9,10 @@ import thunder
 import torch
 
 from _train import assert_same_numerics, Step
-from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
-from thunder_memopt.executors import chunked_cross_entropy as lce_module
+from thunder_memopt import PASSES, MemoryOptimization, executors, thunderfx_backend
 from thunder_memopt.executors import linear_cross_entropy
 from thunder_memopt.measure import measure_saved, peak_live_bytes
+from thunder_memopt.memory import estimate_step
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 
 STABLECODE = "stablecode-completion-alpha-3b"
@@ -77,7 +77,7 @@ def test_function_rejects_bad_options():
 
 
 def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vocab_size=512, seq_len=SEQ_LEN,
-              ignore=False, budget=1.0):
+              ignore=False, budget=1.0, passes=PASSES):
     """One step of GPTWithLoss (the loss in the trace) under thunder.jit with MemoryOptimization."""
     cfg = narrow_config(model_name, n_layer=N_LAYER, n_embd=128, block_size=seq_len, vocab_size=vocab_size)
     model = GPTWithLoss(build_model(cfg, dtype=dtype), upcast_logits=upcast)
@@ -86,7 +86,7 @@ def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vo
         y = y.clone()  # batch 1: the targets are a view of the same tokens as x
         y[:, :40] = -100
     jitted = thunder.jit(model, executors=executors(loss_head=fused),
-                         transforms=[MemoryOptimization(activation_budget=budget)])
+                         transforms=[MemoryOptimization(activation_budget=budget, passes=passes)])
     params = [*model.parameters(), *model.buffers()]
     measured = measure_saved(jitted, x, y, parameters=params)
     measured.output.backward()
@@ -147,8 +147,11 @@ def test_jit_bf16_head_within_bf16_tolerance_and_fusion_off_is_plain_thunder():
 
 
 def test_saved_bytes_of_the_head_do_not_grow_with_the_tokens_times_the_vocabulary():
+    # The loss head alone, so that the rest of the saved set is Thunder's in every case (below 1.0
+    # the recompute pass's rung would follow the head's vocabulary-sized workspace).
     saved = {
-        (fused, budget, vocab): _jit_step(STABLECODE, fused=fused, vocab_size=vocab, budget=budget).saved_bytes
+        (fused, budget, vocab): _jit_step(STABLECODE, fused=fused, vocab_size=vocab, budget=budget,
+                                          passes=("loss_head",)).saved_bytes
         for fused, budget in ((False, 1.0), (True, 1.0), (True, 0.5)) for vocab in (512, 4096)
     }
     # Unfused: at least one T x vocab tensor (the log-softmax; on CUDA the logits too) is saved.
@@ -161,29 +164,35 @@ def test_saved_bytes_of_the_head_do_not_grow_with_the_tokens_times_the_vocabular
 
 
 # How many times the logits' bytes (T x vocab, bf16) the fused head takes off the measured peak, at
-# least (measured here: 1.48 and 1.64). Unfused, the logits, their log-softmax and the logits'
+# least (measured here: 1.49 and 1.75). Unfused, the logits, their log-softmax and the logits'
 # gradient are alive at the head's backward; with the gradients in the forward, the logits'
 # gradient is, during the forward; recomputing in the backward, only one chunk's logits.
 PEAK_CUT_IN_LOGITS = {1.0: 1.25, 0.5: 1.5}
+# The memory model prices the head's chunks from their sizes (WORKSPACE_BYTES), as the eager path
+# allocates them, not its every temporary: within 10% of the measured peak (measured here: +7.3%
+# and -5.1%), where without them it was 43% low.
+WORKSPACE_TOLERANCE = 0.10
 
 
 @pytest.mark.parametrize("budget", PEAK_CUT_IN_LOGITS)
-def test_measured_peak_is_lower_with_the_fused_head(monkeypatch, budget):
-    # Chunks of 128 tokens (the smallest), as a real vocabulary gives at long sequences.
-    monkeypatch.setattr(lce_module, "_CHUNK_LOGIT_BYTES", 1)
-    # Tokens x vocab well above vocab x n_embd, as in real models (stablecode at T=8192: 3.2 x).
+def test_fused_head_lowers_the_measured_peak_and_the_estimate_follows(budget):
+    # Tokens x vocab well above vocab x n_embd, as in real models (stablecode at T=8192: 3.2 x);
+    # the default chunking makes eight chunks of 128 tokens.
     seq_len = 1024
     cfg = narrow_config(STABLECODE, n_layer=N_LAYER, n_embd=128, block_size=seq_len, vocab_size=8192)
     x, y = random_batch(cfg, batch_size=1, seq_len=seq_len)
-    peaks = {}
+    peaks, estimates = {}, {}
     for fused in (False, True):
         model = GPTWithLoss(build_model(cfg))
         jitted = thunder.jit(model, executors=executors(loss_head=fused),
                              transforms=[MemoryOptimization(activation_budget=budget)])
         jitted(x, y).backward()  # compile outside the measured step
         peaks[fused] = peak_live_bytes(lambda: jitted(x, y).backward())
+        estimates[fused] = estimate_step(thunder.last_traces(jitted)[-1],
+                                         thunder.last_backward_traces(jitted)[-1]).peak_bytes
     logits_bytes = seq_len * 8192 * 2
     assert peaks[True] <= peaks[False] - PEAK_CUT_IN_LOGITS[budget] * logits_bytes, peaks
+    assert abs(estimates[True] - peaks[True]) <= WORKSPACE_TOLERANCE * peaks[True], (estimates, peaks)
 
 
 def test_thunderfx_backend_fuses_the_head():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from collections import ChainMap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from thunder.core import prims
@@ -40,6 +40,7 @@ __all__ = [
     "SavedInventory",
     "StepEstimate",
     "tensor_nbytes",
+    "WORKSPACE_BYTES",
     "storage_roots",
     "storage_nbytes",
     "estimate_memory",
@@ -342,7 +343,7 @@ class MemoryEstimate:
     peak_index: int  # index into the bound symbols (-1: the inputs alone)
     peak_op: str | None
     peak_source: str | None
-    live_bytes: tuple[int, ...]  # after each bound symbol, including its outputs
+    live_bytes: tuple[int, ...]  # after each bound symbol, including its outputs (not its workspace)
     input_bytes: int  # bytes of the storages the trace receives
     output_bytes: int  # bytes of the storages alive at the return
 
@@ -350,6 +351,16 @@ class MemoryEstimate:
     def transient_peak_bytes(self) -> int:
         """Peak above what the trace receives."""
         return self.peak_bytes - self.input_bytes
+
+
+# Symbol name -> the bytes an op of it holds while it runs, beyond its inputs and outputs. Ops whose
+# kernels allocate what the trace cannot see register here (the fused loss head's chunks).
+WORKSPACE_BYTES: dict[str, Callable[[BoundSymbol], int]] = {}
+
+
+def _workspace_bytes(bsym: BoundSymbol) -> int:
+    workspace = WORKSPACE_BYTES.get(bsym.sym.name)
+    return 0 if workspace is None else workspace(bsym)
 
 
 def _last_uses(bsyms: Sequence[BoundSymbol], infos: dict[str, TensorInfo]) -> dict[str, int]:
@@ -420,9 +431,11 @@ def estimate_memory(
     peak, peak_k = input_bytes, -1
     for k in range(n):
         cur += delta[k]
+        # While it runs, an op may hold more than its outputs (WORKSPACE_BYTES).
+        during = cur + _workspace_bytes(bsyms[k])
         live.append(cur)
-        if cur > peak:
-            peak, peak_k = cur, k
+        if during > peak:
+            peak, peak_k = during, k
     output_bytes = sum(storage_bytes[s] for s in returned)
     peak_bsym = bsyms[peak_k] if peak_k >= 0 else None
     return MemoryEstimate(

@@ -33,17 +33,24 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
+from thunder_memopt.memory import WORKSPACE_BYTES
+
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "REDUCTIONS"]
 
 REDUCTIONS = ("mean", "sum")
 # Bytes of one chunk's fp32 logits: big enough for efficient matmuls, small next to the activations.
 _CHUNK_LOGIT_BYTES = 128 * 2**20
 _CHUNK_MULTIPLE = 128
+_MIN_CHUNKS = 8
 
 
 def chunk_tokens(tokens: int, vocab: int) -> int:
-    """Tokens per chunk: fp32 logits of about 128 MiB, a multiple of 128 tokens, at most all."""
-    per_chunk = max(_CHUNK_MULTIPLE, _CHUNK_LOGIT_BYTES // (4 * vocab) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+    """Tokens per chunk: fp32 logits of about 128 MiB, and at least eight chunks where that would
+    leave fewer (so that a small head's chunk is still small next to its logits), a multiple of
+    128 tokens, at most all."""
+    by_bytes = _CHUNK_LOGIT_BYTES // (4 * vocab)
+    by_count = -(-tokens // _MIN_CHUNKS)
+    per_chunk = max(_CHUNK_MULTIPLE, min(by_bytes, by_count) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
     return min(tokens, per_chunk)
 
 
@@ -369,3 +376,36 @@ def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dty
 
 
 linear_cross_entropy_ex.register_implementation(head_loss, head_loss, grad_transform=_grad)
+
+
+# What the memory model cannot see: each op's chunks, as the eager path allocates them (the model-
+# dtype logits, their fp32 copy and the model-dtype gradient), its accumulator and, with the
+# gradients in the forward, the logits' gradient buffer. The compiled CUDA path holds less.
+def _chunk_bytes(hidden: TensorProxy, rows: int, columns: int) -> int:
+    return rows * columns * (2 * hidden.dtype.bytes + 4)
+
+
+def _forward_workspace(bsym) -> int:
+    hidden, weight, chunk = bsym.args[0], bsym.args[1], bsym.args[6]
+    return _chunk_bytes(hidden, min(chunk, hidden.shape[0]), weight.shape[0])
+
+
+def _with_gradients_workspace(bsym) -> int:
+    hidden, weight = bsym.args[0], bsym.args[1]
+    return hidden.shape[0] * weight.shape[0] * hidden.dtype.bytes + _forward_workspace(bsym)
+
+
+def _backward_workspace(bsym) -> int:
+    hidden, weight, chunk = bsym.args[1], bsym.args[2], bsym.args[8]
+    (n, width), vocab = hidden.shape, weight.shape[0]
+    if n < vocab:  # vocabulary chunks; the hidden states' gradient summed in fp32
+        return _chunk_bytes(hidden, n, max(1, chunk * vocab // n)) + n * width * (4 + 4 + hidden.dtype.bytes)
+    return _chunk_bytes(hidden, min(chunk, n), vocab) + vocab * width * (4 + 4 + hidden.dtype.bytes)
+
+
+WORKSPACE_BYTES.update({
+    head_loss.name: _forward_workspace,
+    head_forward.name: _forward_workspace,
+    head_forward_with_gradients.name: _with_gradients_workspace,
+    head_backward.name: _backward_workspace,
+})
