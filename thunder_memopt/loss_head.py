@@ -43,6 +43,7 @@ class LossHead:
     linear: BoundSymbol
     chain: tuple[BoundSymbol, ...]  # from the linear's consumer to the cross-entropy, inclusive
     shapes: tuple[BoundSymbol, ...]  # ``shape`` queries of the logits, dropped with them
+    target: TensorProxy  # the cross-entropy's (tokens,) targets
     ignore_index: int
     reduction: str
 
@@ -99,7 +100,8 @@ def _match(linear: BoundSymbol, consumers) -> LossHead | None:
     )
     if not ok:
         return None
-    return LossHead(linear, tuple(chain), tuple(shapes), bound.arguments["ignore_index"], bound.arguments["reduction"])
+    return LossHead(linear, tuple(chain), tuple(shapes), target, bound.arguments["ignore_index"],
+                    bound.arguments["reduction"])
 
 
 def find_loss_heads(trace: TraceCtx) -> list[LossHead]:
@@ -123,8 +125,7 @@ def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> T
     dropped: set[int] = set()
     for head in heads:
         x, weight, bias = (list(head.linear.args) + [None])[:3]
-        ce = head.chain[-1]
-        target = _CROSS_ENTROPY.bind(*ce.args, **ce.kwargs).arguments["target"]
+        ce, target = head.chain[-1], head.target
         tokens, vocab = target.shape[0], weight.shape[0]
         scope: list[BoundSymbol] = []
         new.push_scope(scope)

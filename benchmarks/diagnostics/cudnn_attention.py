@@ -9,11 +9,11 @@ eager reference, for the cuDNN executor and for Thunder's default (flash attenti
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import thunder
 import torch
+from _cuda_timing import median_cuda_ms
 
 from thunder_memopt.executors import cudnn_attention_ex
 
@@ -23,18 +23,6 @@ REPEATS = 20
 
 def attention(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def timed_ms(fn) -> float:
-    times = []
-    for _ in range(REPEATS + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
 
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -65,7 +53,7 @@ def main() -> int:
 
             out = step()
             errors = [relative_error(out, ref)] + [relative_error(t.grad, r.grad) for t, r in zip((q, k, v), ref_in)]
-            ms = timed_ms(step)
+            ms = median_cuda_ms(step, repeats=REPEATS, warmup=3)
             fw = thunder.last_traces(jitted)[-1]
             names = sorted({b.sym.name for b in fw.bound_symbols if "attention" in b.sym.name or "sdpa" in b.sym.name})
             print(f"| {shape} | {name} | {ms:.2f} | " + " | ".join(f"{e:.1e}" for e in errors) + f" | {', '.join(names)} |",

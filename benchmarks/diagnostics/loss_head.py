@@ -13,10 +13,10 @@ head both ways (the logits recomputed in the backward; the gradients computed in
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 
 import torch
+from _cuda_timing import median_cuda_ms
 
 from thunder_memopt.executors import linear_cross_entropy
 
@@ -42,22 +42,15 @@ def measure(fn, hidden, weight, targets):
         loss.backward()
         return loss
 
-    loss = step()
-    times = []
-    for _ in range(REPEATS + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    step()
+    ms = median_cuda_ms(step, repeats=REPEATS, warmup=2)
     hidden.grad = weight.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     loss = step()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return statistics.median(times[2:]), peak, loss.detach(), (hidden.grad, weight.grad)
+    return ms, peak, loss.detach(), (hidden.grad, weight.grad)
 
 
 def main() -> int:

@@ -162,10 +162,10 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     gradient summed, vocab x C) at long context. ``chunk`` is the tokens per chunk of the forward,
     which fixes the bytes of one chunk's logits either way."""
     n, vocab = hidden.shape[0], weight.shape[0]
+    valid = targets != ignore_index
     scale = grad.float()
     if reduction == "mean":
-        scale = scale / (targets != ignore_index).sum()
-    valid = targets != ignore_index
+        scale = scale / valid.sum()
     row_scale = torch.where(valid, scale, 0.0)
     target = torch.where(valid, targets, 0)
     with_bias = bias is not None and needs_weight_grad
@@ -235,7 +235,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def _check_options(ignore_index, reduction, softcap, chunk_size) -> None:
+def _check_options(ignore_index, reduction, softcap, chunk_size, gradients_in_forward) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"linear_cross_entropy: ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
@@ -244,6 +244,8 @@ def _check_options(ignore_index, reduction, softcap, chunk_size) -> None:
         raise ValueError(f"linear_cross_entropy: softcap must be None or a number > 0, got {softcap!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"linear_cross_entropy: chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    if not isinstance(gradients_in_forward, bool):
+        raise TypeError(f"linear_cross_entropy: gradients_in_forward must be True or False, got {gradients_in_forward!r}")
 
 
 def linear_cross_entropy(
@@ -275,9 +277,7 @@ def linear_cross_entropy(
 
     Returns the fp32 scalar loss.
     """
-    _check_options(ignore_index, reduction, softcap, chunk_size)
-    if not isinstance(gradients_in_forward, bool):
-        raise TypeError(f"linear_cross_entropy: gradients_in_forward must be True or False, got {gradients_in_forward!r}")
+    _check_options(ignore_index, reduction, softcap, chunk_size, gradients_in_forward)
     if hidden.shape[:-1] != targets.shape or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear_cross_entropy: expected hidden (..., C), weight (V, C) and targets (...), got "
