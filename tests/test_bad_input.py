@@ -52,6 +52,7 @@ def test_any_real_budget_in_range_is_accepted(budget):
         ((MemoryOptimization,), {}, "memory_optimization"),
         ((), {"fusion": "no"}, "fusion"),
         ((), {"cudnn_attention": 0}, "cudnn_attention"),
+        ((), {"loss_head": "yes"}, "loss_head"),
     ],
 )
 def test_thunderfx_backend_rejects_bad_arguments_when_built(args, kwargs, named):
