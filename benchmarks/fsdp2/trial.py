@@ -113,7 +113,9 @@ class Trial:
     def from_fields(cls, values: Mapping[str, Any]) -> Trial:
         """The trial that ``values`` (``fields()``, or a row) describes. A field missing from it takes
         FIELD_DEFAULTS's value, else its default: rows written before the field existed. Other keys
-        (a row's context and measurements) are ignored."""
+        (a row's context and measurements) are ignored. So thunder+memopt rows from before
+        thunder_memopt's executors read as ``fusion="on"``, which they did not run: --resume compares
+        rows themselves (``driver.same_measurement``), which tells them apart."""
         groups = {}
         for group_name, group_type in _GROUP_TYPES.items():
             given = {}
