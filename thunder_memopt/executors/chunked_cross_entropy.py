@@ -89,7 +89,7 @@ def _logits_grad(logits, lse, column, hit, row_scale, softcap):
     # Minus the one-hot target. Eagerly an indexed update in place allocates nothing; compiled, it
     # would make inductor materialize the chunk in fp32, where a mask is pointwise and fuses. Both
     # subtract 1 at the target and nothing elsewhere.
-    if g.is_cuda:
+    if torch.compiler.is_compiling():
         g.sub_(((torch.arange(g.shape[1], device=g.device) == column[:, None]) & hit[:, None]).to(torch.uint8))
     else:
         g[torch.arange(g.shape[0], device=g.device), column] -= hit.to(g.dtype)
