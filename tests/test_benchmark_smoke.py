@@ -282,6 +282,20 @@ def test_summary_has_a_row_per_backend_and_a_column_per_block_size():
                          "| eager | 1.00 / 10 | OOM |", "| thunder | 3.00 / 20 | – |"]
 
 
+def test_ratios_pair_only_rows_of_one_invocation():
+    run = {**TABLE_ROW, "block_size": 128, "command": "benchmark_fsdp2.py --compile inductor thunder",
+           "first_step_s": 10.0}
+    rows = [{**run, "backend": "inductor", "peak_alloc_max": 4 * 2**30, "step_ms": 50.0, "date": "2026-12-01T10:00:00"},
+            {**run, "backend": "thunder", "peak_alloc_max": 3 * 2**30, "step_ms": 55.0, "date": "2026-12-01T10:05:00"},
+            # Another invocation: another command line, or the same one hours later.
+            {**run, "backend": "eager", "command": "other", "peak_alloc_max": 2**30, "step_ms": 60.0,
+             "date": "2026-12-01T10:06:00"},
+            {**run, "backend": "thunder+memopt", "budget": 1.0, "peak_alloc_max": 2**30, "step_ms": 60.0,
+             "date": "2026-12-01T12:00:00"}]
+    lines = tables.ratios(rows, "inductor").splitlines()[4:]
+    assert lines == ["| 128 | thunder | 0.75x (3.00 / 4.00 GiB) | 1.100x (55.0 / 50.0 ms) | 10.0 / 10.0 | 2026-12-01 10:00 |"]
+
+
 def test_summary_puts_defaults_first_and_latest_code_leaves_out_rows_before_the_executors(tmp_path, capsys):
     """Within a backend the summary lists the default settings, then budgets falling, then other
     execution; --latest-code drops thunder+memopt rows from before thunder_memopt's executors, and

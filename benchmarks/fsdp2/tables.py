@@ -164,6 +164,41 @@ def summary(rows: list[dict]) -> str:
     return "\n\n".join(sections)
 
 
+# Rows of one invocation share its command line and were written within this many seconds.
+INVOCATION_SECONDS = 3600
+
+
+def same_invocation(a: dict, b: dict) -> bool:
+    """Whether two rows come from one invocation of the benchmark (one --compile list), so that a
+    ratio between them cancels the machine's noise."""
+    from datetime import datetime
+
+    seconds = abs((datetime.fromisoformat(a["date"]) - datetime.fromisoformat(b["date"])).total_seconds())
+    return a.get("command") == b.get("command") and seconds <= INVOCATION_SECONDS
+
+
+def ratios(rows: list[dict], base: str) -> str:
+    """Per configuration and block size, each backend's peak and step as a multiple of backend
+    ``base``'s, only between rows of one invocation, and both first steps."""
+    columns = [("T", lambda pair: str(pair[1]["block_size"])), ("backend", lambda pair: backends.label(pair[1])),
+               (f"peak / {base}'s", lambda pair: f"{pair[1]['peak_alloc_max'] / pair[0]['peak_alloc_max']:.2f}x "
+                                                 f"({number(pair[1]['peak_alloc_max'], '.2f', GIB)} / "
+                                                 f"{number(pair[0]['peak_alloc_max'], '.2f', GIB)} GiB)"),
+               (f"step / {base}'s", lambda pair: f"{pair[1]['step_ms'] / pair[0]['step_ms']:.3f}x "
+                                                 f"({pair[1]['step_ms']:.1f} / {pair[0]['step_ms']:.1f} ms)"),
+               (f"first step s / {base}'s", lambda pair: f"{pair[1]['first_step_s']:.1f} / {pair[0]['first_step_s']:.1f}"),
+               ("UTC", lambda pair: f"{pair[0]['date'][:10]} {pair[0]['date'][11:16]}")]
+    sections = []
+    for group in by_config(rows):
+        ok = [row for row in group if row["status"] == "ok" and row.get("step_ms") is not None]
+        pairs = [(b, row) for b in ok if b["backend"] == base and b.get("budget") is None
+                 for row in ok if row is not b and row["block_size"] == b["block_size"] and same_invocation(b, row)]
+        if pairs:
+            pairs.sort(key=lambda pair: (pair[1]["block_size"], summary_order(pair[1])))
+            sections.append(f"#### {heading(group[0])}\n\n" + table(columns, pairs))
+    return "\n\n".join(sections)
+
+
 def summary_order(row: dict) -> tuple:
     """Backends in the registry's order; within one, the default settings first, then budgets falling,
     then a subset of the passes, then other execution (fusion off, rows from before the executors)."""
@@ -343,11 +378,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="one row per backend, a column per block size: peak GiB / step ms")
     parser.add_argument("--latest-code", action="store_true",
                         help="leave out thunder+memopt rows written before thunder_memopt's executors")
+    parser.add_argument("--against", choices=list(backends.BACKENDS), metavar="BACKEND",
+                        help="each backend's peak and step as a multiple of this one's, between rows of one invocation")
     args = parser.parse_args(argv)
     rows = latest(load_rows(args.results))
     if args.latest_code:
         rows = [row for row in rows if written_by_current_code(row)]
-    print(summary(rows) if args.summary else markdown(rows))
+    if args.against:
+        print(ratios(rows, args.against))
+    else:
+        print(summary(rows) if args.summary else markdown(rows))
     if args.plot is not None and measured_rows(rows):
         plot(rows, args.plot)
     elif args.plot is not None and search_results(rows):
