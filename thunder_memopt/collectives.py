@@ -17,9 +17,6 @@ This module rewrites the post-optimization traces (dels stripped, reordered, del
   final, and its wait placed when ``max(prefetch, 1)`` newer reduce-scatters have been issued (or at
   the return), since the collective holds the unsharded gradient until it is waited on.
 
-``keep_collectives_out_of_thunder`` guards the FSDP2 path: functional collectives in a dynamo graph
-must not run in Thunder, which maps ``wait_tensor`` to identity.
-
 ``CollectivesPass`` carries the ZeRO-3 plan from a forward to the backward that follows it, like
 the recompute pass does, and must run after it on both traces.
 """
@@ -60,7 +57,6 @@ __all__ = [
     "apply_zero3_to_backward",
     "CollectiveBytes",
     "collective_bytes_at_peak",
-    "keep_collectives_out_of_thunder",
 ]
 
 ALL_GATHER = "torch_all_gather_prim_impl"
@@ -373,36 +369,3 @@ def collective_bytes_at_peak(trace: TraceCtx) -> CollectiveBytes:
         max_unsharded_param_bytes=max((live_bytes(i, gathered) for i in range(len(bsyms))), default=0),
         max_unsharded_grad_bytes=max((live_bytes(i, scattered) for i in range(len(bsyms))), default=0),
     )
-
-
-# Namespaces of FSDP2's traced communication: functional collectives and its copy-in/out ops.
-_COLLECTIVE_NAMESPACES = {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor", "fsdp"}
-
-
-def _is_collective_target(target) -> bool:
-    namespace = getattr(target, "namespace", None)  # OpOverload and OpOverloadPacket
-    if namespace is None:
-        namespace = str(getattr(target, "_qualified_op_name", "")).split("::")[0] or None
-    if namespace in _COLLECTIVE_NAMESPACES:
-        return True
-    return getattr(target, "__module__", "") == "torch.distributed._functional_collectives"
-
-
-def _run_outside_thunder(target):
-    """A callable Thunder has no mapping for, so its splitter sends the node to inductor."""
-
-    def collective(*args, **kwargs):
-        return target(*args, **kwargs)
-
-    collective.__name__ = f"thunder_memopt_outside_thunder_{getattr(target, '__name__', 'op')}"
-    return collective
-
-
-def keep_collectives_out_of_thunder(gm) -> int:
-    """Rewrite a dynamo ``GraphModule`` in place so no collective lands in a Thunder region; the count."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and _is_collective_target(n.target)]
-    for n in nodes:
-        n.target = _run_outside_thunder(n.target)
-    if nodes:
-        gm.recompile()
-    return len(nodes)
