@@ -17,14 +17,14 @@ This module rewrites the post-optimization traces (dels stripped, reordered, del
   final, and its wait placed when ``max(prefetch, 1)`` newer reduce-scatters have been issued (or at
   the return), since the collective holds the unsharded gradient until it is waited on.
 
-``CollectivesPass`` carries the ZeRO-3 plan from a forward to the backward that follows it, like
-the recompute pass does, and must run after it on both traces.
+``CollectivesPass.forward`` returns the ZeRO-3 plan that the backward of the same pair must be given;
+it runs after the recompute pass on both traces.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from thunder.core.proxies import TensorProxy
@@ -277,9 +277,10 @@ def apply_zero3_to_backward(backward_trace: TraceCtx, plan: Zero3Plan) -> TraceC
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CollectivesPass:
-    """The collective passes of one transform instance, with the forward's plan for its backward.
+    """The collective passes of one transform instance: a forward returns the ZeRO-3 plan that the
+    caller gives to its backward.
 
     Args:
         prefetch: all-gathers issued ahead of the one being waited on; also bounds un-waited
@@ -289,26 +290,24 @@ class CollectivesPass:
 
     prefetch: int = 2
     zero3: bool | None = None
-    _pending: Zero3Plan | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative int, got {self.prefetch!r}")
 
-    def forward(self, trace: TraceCtx) -> TraceCtx:
-        self._pending = None
+    def forward(self, trace: TraceCtx) -> tuple[TraceCtx, Zero3Plan | None]:
+        """The forward scheduled, and the ZeRO-3 plan its backward must follow (None: nothing to re-gather)."""
         plan = plan_zero3(trace) if (is_zero3_module() if self.zero3 is None else self.zero3) else None
         if plan is not None and plan.regather:
             trace = apply_zero3_to_forward(trace, plan)
         trace = schedule_all_gathers(trace, self.prefetch)
         # Only a forward that was fully rewritten hands its plan to the backward.
-        self._pending = plan if plan is not None and plan.regather else None
-        return trace
+        return trace, plan if plan is not None and plan.regather else None
 
-    def backward(self, trace: TraceCtx) -> TraceCtx:
-        plan, self._pending = self._pending, None
-        if plan is not None:
-            trace = apply_zero3_to_backward(trace, plan)
+    def backward(self, trace: TraceCtx, zero3: Zero3Plan | None) -> TraceCtx:
+        """The backward scheduled; with ``zero3``, its forward's plan, re-gathering what it saved sharded."""
+        if zero3 is not None:
+            trace = apply_zero3_to_backward(trace, zero3)
         trace = schedule_reduce_scatters(trace, self.prefetch)
         return schedule_all_gathers(trace, self.prefetch)
 
