@@ -154,8 +154,9 @@ class InductorFusionExecutor(TorchCompileExecutor):
 
         ``label`` keeps symbols of different labels in different regions (each run is first ordered
         so that each label's symbols stand together); ``keep_outputs`` names, for a region's symbols,
-        outputs to return besides those read after it. Regions of views alone are left to the torch
-        executor."""
+        outputs to return besides those read after it. Runs that ATen does in one kernel (views and
+        at most one op that moves data) are left to the torch executor: inductor would gain nothing
+        there and cost a compilation."""
         start = time.perf_counter_ns()
         claimed = [self._claims(b) for b in trace.bound_symbols]
         bsyms = _grouped_by_label(trace.bound_symbols, claimed, label)
@@ -176,7 +177,7 @@ class InductorFusionExecutor(TorchCompileExecutor):
         fused: list[BoundSymbol] = []
         counter = 0
         for group in groups:
-            if not (id(group[0]) in claimed_ids and any(moves_data(b) for b in group)):
+            if not (id(group[0]) in claimed_ids and _kernels(group) >= 2):
                 fused.extend(group)
                 continue
             region = Region(producers, consumers, group)
@@ -221,6 +222,12 @@ class InductorFusionExecutor(TorchCompileExecutor):
 
         lowered = _transform_for_operator_executor_execution(trace, get_always_executors())
         return replace_bound_symbols(lowered, lowered.bound_symbols, "thunder_memopt fusion: regions rebuilt")
+
+
+def _kernels(group: Sequence[BoundSymbol]) -> int:
+    """How many kernels the torch executor would run for ``group``: one per op that moves data
+    (an op of the torch level is one ATen call, whatever prims it decomposes into)."""
+    return sum(1 for b in group if moves_data(b))
 
 
 def _op_name(op) -> str:
