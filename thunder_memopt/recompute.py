@@ -21,7 +21,7 @@ saved, as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -133,36 +133,76 @@ def _forward_outputs(trace: TraceCtx) -> list[str]:
     return [t.name for t in flat if isinstance(t, TensorProxy)]
 
 
-def _min_cut_saved(g: _ForwardGraph, replayable: Sequence[bool]) -> set[str]:
-    """The cheapest set of tensors to save so that the backward's needs can be recomputed.
+class _CutNetwork:
+    """The flow network of the min-cut, built once for every rung of a ladder.
 
     Each tensor is an edge ``t.in -> t.out`` of capacity its bytes; a replayable op connects its
     inputs' ``out`` to its outputs' ``in``; inputs and non-replayable outputs hang off the source,
-    and the backward's needs off the sink. Tensors whose edge crosses the cut are saved.
+    and the backward's needs off the sink. Rungs differ only in which ops are replayable, so both
+    kinds of an op's edges are in the network, and each rung gives the kind it uses infinite
+    capacity and the other none: an edge of no capacity carries no flow, as if it were absent.
+    Building the graph and its residual network anew was half of each rung's cut.
     """
-    if not g.needed:  # the backward reads nothing the forward made (an embedding-only graph, say)
-        return set()
-    graph = nx.DiGraph()
-    for name in g.cost:
-        graph.add_edge((name, 0), (name, 1), capacity=g.cost[name])
-    for name in g.inputs:
-        graph.add_edge("source", (name, 0))
-    for i, b in enumerate(g.bsyms):
-        outs = tensor_outs(b)
-        if not replayable[i]:
-            for o in outs:
-                graph.add_edge("source", (o.name, 0))
-            continue
-        for a in tensor_args(b):
-            for o in outs:
-                if a.name != o.name:
-                    graph.add_edge((a.name, 1), (o.name, 0))
-    for t in g.needed:
-        graph.add_edge((t.name, 1), "sink")
-    # Boykov-Kolmogorov: ten times preflow-push's speed on these graphs. Any maximum flow leaves the
-    # same set reachable from the source, so the cut does not depend on the algorithm.
-    _, (reachable, _) = nx.minimum_cut(graph, "source", "sink", flow_func=boykov_kolmogorov)
-    return {name for name in g.cost if (name, 0) in reachable and (name, 1) not in reachable}
+
+    def __init__(self, g: _ForwardGraph) -> None:
+        self._names = tuple(g.cost)
+        # Boykov-Kolmogorov's residual network, built as networkx's build_residual_network would:
+        # each edge with a reverse edge of no capacity; infinity three times the finite capacities.
+        self._inf = 3 * sum(c for c in g.cost.values() if c > 0) or 1
+        self._residual = nx.DiGraph()
+        self._residual.graph["inf"] = self._inf
+        self._into: dict[Hashable, list[tuple[Hashable, dict]]] = {}  # each node's incoming edges, as (tail, attributes)
+        self._residual.add_node("source")
+        self._residual.add_nodes_from((name, side) for name in self._names for side in (0, 1))
+        for name in self._names:
+            self._edge((name, 0), (name, 1), g.cost[name])
+        for name in g.inputs:
+            self._edge("source", (name, 0), self._inf)
+        for t in g.needed:
+            self._edge((t.name, 1), "sink", self._inf)
+        always = {id(attrs) for attrs in self._residual.succ["source"].values()}  # the inputs' edges
+        # Per op, the edges that are infinite when it is replayed, and when it is not.
+        self._replayed: list[list[dict]] = []
+        self._kept: list[list[dict]] = []
+        for b in g.bsyms:
+            outs = tensor_outs(b)
+            kept = [self._edge("source", (o.name, 0), 0) for o in outs]
+            self._kept.append([attrs for attrs in kept if id(attrs) not in always])
+            self._replayed.append([self._edge((a.name, 1), (o.name, 0), 0)
+                                   for a in tensor_args(b) for o in outs if a.name != o.name])
+        self._switched = [attrs for edges in (*self._replayed, *self._kept) for attrs in edges]
+
+    def _edge(self, u: Hashable, v: Hashable, capacity: int) -> dict:
+        """The attributes of edge ``u -> v``, added with ``capacity`` (and its reverse) if new."""
+        if not self._residual.has_edge(u, v):
+            self._residual.add_edge(u, v, capacity=capacity)
+            self._residual.add_edge(v, u, capacity=0)
+            for a, b in ((u, v), (v, u)):
+                self._into.setdefault(b, []).append((a, self._residual.succ[a][b]))
+        return self._residual.succ[u][v]
+
+    def min_cut_saved(self, replayable: Sequence[bool]) -> set[str]:
+        """The cheapest set of tensors to save so that the backward's needs can be recomputed:
+        the tensors whose edge crosses the minimum cut."""
+        if "sink" not in self._residual:  # the backward reads nothing the forward made (an embedding-only graph, say)
+            return set()
+        for attrs in self._switched:
+            attrs["capacity"] = 0
+        for kept, replayed, r in zip(self._kept, self._replayed, replayable):
+            for attrs in replayed if r else kept:
+                attrs["capacity"] = self._inf
+        # Boykov-Kolmogorov: ten times preflow-push's speed on these graphs. The residual network is
+        # its own graph (it only checks that the source and sink are in it), and it resets the flows.
+        boykov_kolmogorov(self._residual, "source", "sink", residual=self._residual)
+        # What can still reach the sink is the same for every maximum flow, so the cut does not
+        # depend on the algorithm: it is nx.minimum_cut's partition.
+        sink_side, stack = {"sink"}, ["sink"]
+        while stack:
+            for u, attrs in self._into.get(stack.pop(), ()):
+                if u not in sink_side and attrs["flow"] < attrs["capacity"]:
+                    sink_side.add(u)
+                    stack.append(u)
+        return {name for name in self._names if (name, 0) not in sink_side and (name, 1) in sink_side}
 
 
 def _closure(g: _ForwardGraph, saved: set[str], replayable: Sequence[bool]) -> tuple[set[str], set[int]]:
@@ -189,8 +229,8 @@ def _saved_bytes(g: _ForwardGraph, saved: set[str]) -> int:
     return sum({g.infos[n].storage: g.cost[n] for n in saved}.values())
 
 
-def _solve(g: _ForwardGraph, replayable: Sequence[bool]) -> tuple[set[str], set[int], int]:
-    saved, replay = _closure(g, _min_cut_saved(g, replayable), replayable)
+def _solve(g: _ForwardGraph, network: _CutNetwork, replayable: Sequence[bool]) -> tuple[set[str], set[int], int]:
+    saved, replay = _closure(g, network.min_cut_saved(replayable), replayable)
     return saved, replay, _saved_bytes(g, saved)
 
 
@@ -210,7 +250,8 @@ def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePla
     g = _forward_graph(forward_trace)
     cheap = [k is OpKind.CHEAP for k in g.kinds]
     before = _saved_bytes(g, {t.name for t in g.needed})
-    solutions = [_solve(g, cheap)]
+    network = _CutNetwork(g)
+    solutions = [_solve(g, network, cheap)]
     if steps:
         checkpoints = _checkpoints(g)
         expensive = sorted(
@@ -222,7 +263,7 @@ def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePla
             allowed = list(allowed_cheap)
             for i in expensive[:n]:
                 allowed[i] = True
-            solutions.append(_solve(g, allowed))
+            solutions.append(_solve(g, network, allowed))
     return [_plan(g, before, *solution) for solution in solutions]
 
 
