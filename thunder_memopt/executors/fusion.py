@@ -95,17 +95,6 @@ class _CompiledRegion:
         return out
 
 
-@functools.cache
-def _start_kernel_compile_workers() -> None:
-    """Start inductor's pool of Triton compile workers now, while Thunder is still tracing.
-
-    ``torch.compile`` starts it when dynamo first calls inductor; ``compile_fx`` alone does not, and
-    until the pool is up inductor compiles each kernel in this process, one after another."""
-    from torch._inductor.async_compile import maybe_warm_pool
-
-    maybe_warm_pool()
-
-
 def _inductor_compiled(fn: Callable, args: tuple) -> Callable:
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -153,8 +142,6 @@ class InductorFusionExecutor(TorchCompileExecutor):
         # Unique in the process, not per trace: the backward runs the forward's replay regions
         # beside its own, and a trace's call context is keyed by these names.
         name = f"MemoptFusion{next(_region_numbers)}"
-        if any(isinstance(x, TensorProxy) and x.device.type == "cuda" for x in inputs):
-            _start_kernel_compile_workers()
         fn = _compiled(list(region.bound_symbols), inputs, outputs)
         sym = Symbol(name, meta=functools.partial(_outputs_like, tuple(outputs)), is_fusion=True, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(region.bound_symbols), _call_ctx={name: fn})
