@@ -16,7 +16,8 @@ import torch
 from benchmarks.fsdp2.trial import KERNEL_NAME_CHARS
 
 TOP_OPS = 10  # kernels and CPU ops a row keeps
-PRINTED_OPS = 25  # rows of the profiler's table printed to the worker's log
+PRINTED_OPS = 25  # rows of the profiler's table by CPU time printed to the worker's log
+PRINTED_KERNELS = 80  # rows of its table by GPU time
 COPY_KERNEL = "copy_kernel"  # in the names of ATen's copy kernels: direct_copy_kernel_cuda, bfloat16_copy_kernel_cuda
 MEMORY_HISTORY_ENTRIES = 100_000
 # What a step's GPU time is spent on, by kernel name: the first class whose words the name holds.
@@ -49,9 +50,13 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
-def print_table(profiler: torch.profiler.profile) -> None:
-    """The profiler's own table of ops by self CPU time, for the worker's log."""
-    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=PRINTED_OPS), flush=True)
+def print_table(profiler: torch.profiler.profile, device: torch.device) -> None:
+    """The profiler's own tables of ops by self CPU time and, on a GPU, of kernels by GPU time, for
+    the worker's log."""
+    averages = profiler.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=PRINTED_OPS), flush=True)
+    if device.type == "cuda":
+        print(averages.table(sort_by="self_device_time_total", row_limit=PRINTED_KERNELS), flush=True)
 
 
 def profile_summary(profiler: torch.profiler.profile, wall_s: float) -> dict:
