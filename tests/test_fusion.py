@@ -12,7 +12,7 @@ from thunder.dev_utils.check_trace import check_trace
 from thunder.extend import FusionExecutor
 
 import thunder_memopt.transform as transform_module
-from _train import assert_same_numerics, train_step
+from _train import assert_same_numerics, shared_train_step, train_step
 from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
 from thunder_memopt.executors import (
     InductorFusionExecutor,
@@ -27,6 +27,13 @@ STABLECODE = "stablecode-completion-alpha-3b"
 # order): each gradient within a few bf16 epsilons (7.8e-3) of plain Thunder's, in norm.
 GRAD_RELATIVE_ERROR = 2e-2
 CPU_FUSION = InductorFusionExecutor("memopt_fusion_test_cpu", devices=("cpu",))
+# The fused steps' shape. Two layers are enough for identical layers to share compiled functions
+# (11 forward regions, 6 functions). The tests that fuse share these shapes (and, this file's tests
+# running in one process, the compiled regions), so that inductor compiles each region once:
+# inductor's FX graph cache does not serve the fusion executor's compilations ('No shape env').
+FUSED_SHAPE = {"n_layer": 2, "seq_len": 128}
+# The unfused steps that check what the fusion executor leaves alone on CPU.
+UNFUSED_SHAPE = {"n_layer": 1, "seq_len": 64}
 
 
 def _cpu_executors():
@@ -42,10 +49,10 @@ def _functions(regions):
 
 
 def test_fusion_with_and_without_memopt_is_close_to_plain_thunder_and_saves_no_more():
-    plain = train_step(STABLECODE, [], n_layer=3, seq_len=128)
-    fused = train_step(STABLECODE, [], n_layer=3, seq_len=128, executors=_cpu_executors())
-    memopt = train_step(STABLECODE, [MemoryOptimization()], n_layer=3, seq_len=128)
-    both = train_step(STABLECODE, [MemoryOptimization()], n_layer=3, seq_len=128, executors=_cpu_executors())
+    plain = shared_train_step(STABLECODE, **FUSED_SHAPE)
+    fused = shared_train_step(STABLECODE, **FUSED_SHAPE, executors=_cpu_executors())
+    memopt = shared_train_step(STABLECODE, {}, **FUSED_SHAPE)
+    both = shared_train_step(STABLECODE, {}, **FUSED_SHAPE, executors=_cpu_executors())
 
     for step in (fused, both):
         torch.testing.assert_close(step.loss, plain.loss, rtol=1e-3, atol=0)
@@ -94,14 +101,13 @@ def test_a_region_is_compiled_again_for_inputs_of_another_layout(monkeypatch):
     assert compiled_for == [((16, 1),), ((1, 8),)] and region.seconds >= 0
 
 
-@pytest.mark.parametrize("transforms", [[], [MemoryOptimization()]], ids=["thunder", "memopt"])
-def test_fusion_off_is_bit_identical_to_plain_thunder(transforms):
-    plain = train_step(STABLECODE, transforms and [MemoryOptimization()], n_layer=1, seq_len=64)
-    off = train_step(STABLECODE, transforms, n_layer=1, seq_len=64, executors=executors(fusion=False))
+@pytest.mark.parametrize("memopt", [None, {}], ids=["thunder", "memopt"])
+def test_fusion_off_is_bit_identical_to_plain_thunder(memopt):
+    plain = shared_train_step(STABLECODE, memopt, **UNFUSED_SHAPE)
+    off = shared_train_step(STABLECODE, memopt, **UNFUSED_SHAPE, executors=executors(fusion=False))
     assert_same_numerics(plain, off)
     # On CPU the default list's fusion executor (CUDA's) claims nothing either.
-    default = train_step(STABLECODE, transforms and [MemoryOptimization()], n_layer=1, seq_len=64,
-                         executors=executors())
+    default = shared_train_step(STABLECODE, memopt, **UNFUSED_SHAPE, executors=executors())
     assert_same_numerics(plain, default)
 
 
@@ -109,10 +115,10 @@ def test_a_failing_refusion_keeps_thunders_fused_trace_with_one_warning(monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    fused = train_step(STABLECODE, [], n_layer=1, seq_len=64, executors=_cpu_executors())
+    fused = shared_train_step(STABLECODE, **FUSED_SHAPE, executors=_cpu_executors())
     monkeypatch.setattr(transform_module, "_fuse_forward", broken)
     with pytest.warns(UserWarning, match="thunder_memopt: fusion left this trace as Thunder fused it") as caught:
-        step = train_step(STABLECODE, [MemoryOptimization()], n_layer=1, seq_len=64, executors=_cpu_executors())
+        step = train_step(STABLECODE, [MemoryOptimization()], **FUSED_SHAPE, executors=_cpu_executors())
     assert sum("thunder_memopt" in str(w.message) for w in caught) == 1
     assert step.saved_bytes == fused.saved_bytes
     assert_same_numerics(fused, step)
@@ -150,7 +156,7 @@ def test_cudnn_attention_checker_falls_back_where_cudnn_does_not_serve(inputs, o
 
 
 def test_on_cpu_attention_is_not_claimed_by_cudnn():
-    step = train_step(STABLECODE, [], n_layer=1, seq_len=64, executors=executors())
+    step = shared_train_step(STABLECODE, **UNFUSED_SHAPE, executors=executors())
     names = {b.sym.name for b in step.forward_trace.bound_symbols}
     assert not any(name.startswith("memopt_cudnn") for name in names)
 

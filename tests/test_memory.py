@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _train import train_step
+from _train import shared_train_step
 
 from thunder_memopt.measure import cross_entropy_compiled_as_on_gpu
 from thunder_memopt.memory import _reshape_strides, contiguous_strides, estimate_memory, estimate_step, saved_for_backward
@@ -10,13 +10,13 @@ from thunder_memopt.memory import _reshape_strides, contiguous_strides, estimate
 
 @pytest.mark.parametrize("model_name", ["stablecode-completion-alpha-3b", "Llama-3-8B"])
 def test_predicted_saved_bytes_match_saved_tensors_hooks(model_name):
-    step = train_step(model_name)
+    step = shared_train_step(model_name)
     predicted = saved_for_backward(step.forward_trace).activation_bytes
     assert abs(predicted - step.saved_bytes) <= 0.01 * step.saved_bytes, (predicted, step.saved_bytes)
 
 
 def test_inventory_names_producer_and_source_line():
-    step = train_step("stablecode-completion-alpha-3b")
+    step = shared_train_step("stablecode-completion-alpha-3b")
     inv = saved_for_backward(step.forward_trace)
     rows = inv.by_source()
     assert rows == sorted(rows, key=lambda r: -r[2])
@@ -52,7 +52,7 @@ def test_contiguous_strides():
 
 
 def test_liveness_peak_is_where_outputs_meet_live_inputs():
-    step = train_step("Llama-3-8B")
+    step = shared_train_step("Llama-3-8B")
     fw = estimate_memory(step.forward_trace)
     bw = estimate_memory(step.backward_trace)
     assert fw.peak_bytes >= fw.input_bytes + saved_for_backward(step.forward_trace).activation_bytes

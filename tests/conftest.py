@@ -1,0 +1,31 @@
+"""Test order for pytest-xdist: the longest files first.
+
+pytest-xdist runs each file's tests in one worker (--dist loadfile, pyproject.toml), so that a
+file's module fixtures and shared steps (_train.shared_train_step), among them the torchrun jobs
+of test_collectives.py, run once. (--dist loadgroup would group across files, but with pytest 9.2
+it silently does not group: pytest-xdist issue 1386.) Files are handed out in collection order
+(--no-loadscope-reorder); a long file handed out last would run alone at the end while the other
+worker idles, so the longest go first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Longest first (seconds of one worker on 2 busy cores, the whole file). Other files follow.
+LONGEST_FIRST = (
+    "test_recompute.py",  # about 300
+    "test_collectives.py",  # 150, two torchrun jobs
+    "test_loss_head.py",
+    "test_benchmark_smoke.py",  # 130, a torchrun benchmark
+    "test_memory.py",
+    "test_fusion.py",
+    "test_schedule.py",
+    "test_examples.py",
+    "test_bad_input.py",
+)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).name, len(rank)))  # stable
