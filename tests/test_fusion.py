@@ -21,6 +21,7 @@ from thunder_memopt.executors import (
     fusion_ex,
     linear_cross_entropy_ex,
 )
+from thunder_memopt.memory import tensor_nbytes
 
 STABLECODE = "stablecode-completion-alpha-3b"
 # Inductor's C++ code rounds differently from ATen's kernels (the norms' reductions run in another
@@ -42,6 +43,10 @@ def _cpu_executors():
 
 def _regions(trace):
     return [b for b in trace.bound_symbols if CPU_FUSION.is_own_fusion(b)]
+
+
+def _written_bytes(regions):
+    return sum(tensor_nbytes(o) for b in regions for o in b.flat_proxy_outs if isinstance(o, TensorProxy))
 
 
 def _functions(regions):
@@ -71,6 +76,9 @@ def test_fusion_with_and_without_memopt_is_close_to_plain_thunder_and_saves_no_m
 
     # Recompute cuts between ops, not regions: fusion saves no more than the unfused plan.
     assert both.saved_bytes <= memopt.saved_bytes < fused.saved_bytes <= plain.saved_bytes
+    # And the replays keep the forward's regions whole: they write no more than the fused step's
+    # regions, which also write what that step saves.
+    assert _written_bytes(_regions(both.forward_trace)) <= _written_bytes(_regions(fused.forward_trace))
     # The backward replays the forward's regions, running the very functions the forward ran: the
     # step is the fused step's, bit for bit.
     assert _functions(_regions(both.forward_trace)) & _functions(_regions(both.backward_trace))
