@@ -34,10 +34,11 @@ OUT=${2:-benchmarks/results}
 PYTHON=${PYTHON:-python}
 TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-9}
 LOG_DIR=${LOG_DIR:-}
-ALL_BACKENDS=(eager eager-ac inductor inductor-budget thunder thunder+fusion thunder+memopt)
 
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
+# Every backend, from the benchmark's registry (benchmarks/fsdp2/backends.py), in its order.
+ALL_BACKENDS=($("$PYTHON" -m benchmarks.fsdp2.backends))
 
 # The driver runs as plain python (it starts a fresh torchrun of 2 ranks per row), so that its
 # exit code 3 reaches this script; under an outer torchrun it would read as a failed worker.

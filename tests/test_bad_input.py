@@ -13,7 +13,7 @@ import torch
 from thunder_memopt import MemoryOptimization, thunderfx_backend
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.fsdp2
 
 
 @pytest.mark.parametrize(
@@ -133,6 +133,6 @@ def test_an_unknown_model_name_suggests_close_names(capsys):
     ],
 )
 def test_benchmark_flags_with_bad_values_fail_before_any_process_starts(argv, named, capsys):
-    import benchmark_fsdp2
+    from benchmarks.fsdp2.cli import parse_args
 
-    assert named in _one_line_usage_error(benchmark_fsdp2.parse_args, argv, capsys)
+    assert named in _one_line_usage_error(parse_args, argv, capsys)

@@ -1,4 +1,5 @@
-"""CPU smoke test of benchmarks/benchmark_fsdp2.py, end to end under torchrun (gloo, 2 ranks).
+"""CPU smoke test of benchmarks/benchmark_fsdp2.py (the package benchmarks/fsdp2), end to end under
+torchrun (gloo, 2 ranks).
 
 A tiny narrowed model (2 layers, n_embd 256, T=128) goes through eager, thunder and thunder+memopt
 under FSDP2, each backend in its own fresh torchrun as on the GPU host; the JSON rows must be
@@ -8,8 +9,6 @@ need no model, are checked directly.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -17,17 +16,19 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+REPOSITORY = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPOSITORY / "benchmarks"
+sys.path.insert(0, str(REPOSITORY))
 
-import benchmark_fsdp2  # noqa: E402
-import make_table  # noqa: E402
+from benchmarks.fsdp2 import driver, search, tables, worker  # noqa: E402
+from benchmarks.fsdp2.trial import (  # noqa: E402
+    LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload, load_rows)
 
 SMOKE_BACKENDS = ("eager", "thunder", "thunder+memopt")
 REQUIRED_KEYS = {
     "backend", "budget", "model", "n_layer", "n_embd", "block_size", "micro_batch_size", "distributed_mode",
     "shard_mode", "world_size", "gpu", "torch", "thunder", "litgpt", "memopt_tree", "date", "status", "loss", "step_ms",
-    "tokens_per_s_per_gpu", "first_step_s", "saved_bytes_per_layer", "saved_h_bytes", *benchmark_fsdp2.MEMORY_FIELDS,
+    "tokens_per_s_per_gpu", "first_step_s", "saved_bytes_per_layer", "saved_h_bytes", *MEMORY_FIELDS,
 }
 BF16_LOSS_RTOL = 0.02
 SMOKE_TIMEOUT_S = 300
@@ -42,7 +43,7 @@ def run_smoke_benchmark(work: Path) -> tuple[list[dict], str, Path]:
                "--out", str(out)]
     finished = subprocess.run(command, capture_output=True, text=True, cwd=work, timeout=SMOKE_TIMEOUT_S)
     assert finished.returncode == 0, finished.stdout[-4000:] + finished.stderr[-4000:]
-    return make_table.load_rows([out]), finished.stdout, out
+    return load_rows([out]), finished.stdout, out
 
 
 def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
@@ -54,7 +55,7 @@ def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
         assert (row["n_layer"], row["n_embd"], row["block_size"], row["gpu"]) == (2, 256, 128, "cpu")
         assert row["step_ms"] > 0 and row["tokens_per_s_per_gpu"] > 0 and row["saved_bytes_per_layer"] > 0
         # No CUDA allocator on CPU: the memory fields are null, not made up.
-        assert all(row[field] is None for field in benchmark_fsdp2.MEMORY_FIELDS)
+        assert all(row[field] is None for field in MEMORY_FIELDS)
         assert row["profile"]["top_cpu_ms"] and row["profile"]["gpu_busy_fraction"] is None
     assert rows[-1]["budget"] == 1.0
     # The passes' compile-time cost is reported; on CPU the fusion executor (CUDA's) claims nothing,
@@ -73,13 +74,13 @@ def check_backends_agree_on_the_loss(rows: list[dict], printed: str) -> None:
 
 
 def check_table_printed_and_plot_written(rows: list[dict], printed: str, out: Path, work: Path) -> None:
-    assert make_table.markdown(rows) in printed
+    assert tables.markdown(rows) in printed
     assert "| 128 | thunder+memopt @1 | ok |" in printed
     assert out.with_suffix(".png").stat().st_size > 0
     plot = work / "plot.png"
     table = subprocess.run([sys.executable, str(BENCHMARKS / "make_table.py"), str(out), "--plot", str(plot)],
                            capture_output=True, text=True, check=True).stdout
-    assert table.strip() == make_table.markdown(rows)
+    assert table.strip() == tables.markdown(rows)
     assert plot.stat().st_size > 0
 
 
@@ -94,7 +95,7 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
 def test_a_loss_apart_gets_a_warning(capsys):
     row = {"row_type": "run", "block_size": 128, "budget": None, "model": "m", "n_layer": 2, "n_embd": 256}
     rows = [{**row, "backend": "eager", "loss": 6.25}, {**row, "backend": "thunder", "loss": 6.25 * 1.03}]
-    benchmark_fsdp2.warn_on_loss_disagreement(rows, rtol=BF16_LOSS_RTOL)
+    driver.warn_on_loss_disagreement(rows, rtol=BF16_LOSS_RTOL)
     assert capsys.readouterr().out.startswith("WARNING: loss of thunder at T=128")
 
 
@@ -115,16 +116,17 @@ def test_search_doubles_then_bisects(largest_fitting, start, expected):
         probed.append(block_size)
         return block_size <= largest_fitting
 
-    assert benchmark_fsdp2.find_max_block_size(fits, start, granularity=1024, limit=131_072) == expected
+    assert search.find_max_block_size(fits, start, granularity=1024, limit=131_072) == expected
     assert len(probed) <= 12
 
 
-def _stablecode_trial(**fields) -> benchmark_fsdp2.Trial:
-    """A trial of the real stablecode width under FSDP2 on 2 ranks; ``fields`` override."""
-    defaults = dict(model="stablecode-completion-alpha-3b", n_layer=8, n_embd=2560, narrowed=False, block_size=8192,
-                    micro_batch_size=1, dtype="bfloat16", distributed_mode="fsdp2", shard_mode="zero2", world_size=2,
-                    backend="eager", budget=None, warmup=2, iters=5, seed=0)
-    return benchmark_fsdp2.Trial(**{**defaults, **fields})
+def _stablecode_trial(**fields) -> Trial:
+    """A trial of the real stablecode width under FSDP2 on 2 ranks; ``fields`` (flat names) override."""
+    trial = Trial(Workload(model="stablecode-completion-alpha-3b", n_layer=8, n_embd=2560, narrowed=False,
+                           block_size=8192, micro_batch_size=1, seed=0),
+                  Numerics(dtype="bfloat16"), Sharding(distributed_mode="fsdp2", shard_mode="zero2", world_size=2),
+                  Compilation(backend="eager"), Measurement(warmup=2, iters=5))
+    return trial.replace(**fields)
 
 
 class _LinearMemoryDriver:
@@ -139,8 +141,8 @@ class _LinearMemoryDriver:
         self.summaries: list[dict] = []
 
     def run(self, trial) -> dict:
-        self.probed.append(trial.block_size)
-        peak = self.base + self.per_token * trial.block_size
+        self.probed.append(trial.workload.block_size)
+        peak = self.base + self.per_token * trial.workload.block_size
         if peak + self.fragmentation > self.capacity:
             return {"status": "OOM"}
         if not self.reports_memory:  # as on CPU
@@ -160,18 +162,17 @@ def test_search_aims_at_where_the_peak_reaches_capacity(fragmentation, most_prob
     probes than bisection (10 here); the capacity is learnt from the probes themselves. If the
     device runs out a little earlier than the line says (fragmentation), stepping down from the
     failed guess still beats bisection; if far earlier, the answer is still exact, at 4 probes more."""
-    args = argparse.Namespace(compile=["thunder+memopt"], block_size=[16384], search_granularity=1024,
-                              search_limit=1 << 20, memopt_budget=[1.0], inductor_budget=[0.5])
-    template = _stablecode_trial(n_layer=32, block_size=16384, backend="thunder+memopt", warmup=1, iters=1)
+    settings = search.SearchSettings(start=16384, granularity=1024, limit=1 << 20)
+    template = _stablecode_trial(n_layer=32, block_size=16384, backend="thunder+memopt", budget=1.0, warmup=1, iters=1)
     aimed, bisected = _LinearMemoryDriver(fragmentation, True), _LinearMemoryDriver(fragmentation, False)
-    for driver in (aimed, bisected):
-        benchmark_fsdp2.search(driver, args, template)
+    for fake in (aimed, bisected):
+        search.search(fake, settings, [template])
     d = aimed
     largest = (d.capacity - fragmentation - d.base) // d.per_token // 1024 * 1024
-    for driver in (aimed, bisected):
-        (summary,) = driver.summaries
+    for fake in (aimed, bisected):
+        (summary,) = fake.summaries
         assert (summary["max_block_size"], summary["first_failing_block_size"]) == (largest, largest + 1024)
-        assert summary["probes"] == len(driver.probed) == len(set(driver.probed))
+        assert summary["probes"] == len(fake.probed) == len(set(fake.probed))
     assert len(bisected.probed) == 10
     assert len(aimed.probed) <= most_probes, aimed.probed
 
@@ -181,16 +182,16 @@ def test_outcome_is_oom_when_any_rank_ran_out_of_memory(tmp_path):
     log.write_text("worker output\n")
     (tmp_path / "rank0.json").write_text(json.dumps({"status": "error", "error": "peer gone", "phase": "train"}))
     (tmp_path / "rank1.json").write_text(json.dumps({"status": "OOM", "error": "CUDA out of memory", "phase": "train"}))
-    assert benchmark_fsdp2.trial_outcome(tmp_path, 1, 60, log) == {"status": "OOM", "error": "CUDA out of memory"}
+    assert driver.trial_outcome(tmp_path, 1, 60, log) == {"status": "OOM", "error": "CUDA out of memory"}
     # A peer left hanging in a collective until the timeout does not hide the OOM.
-    assert benchmark_fsdp2.trial_outcome(tmp_path, None, 60, log)["status"] == "OOM"
+    assert driver.trial_outcome(tmp_path, None, 60, log)["status"] == "OOM"
 
 
 def test_outcome_without_any_report_is_a_timeout_or_an_error(tmp_path):
     log = tmp_path / "log"
     log.write_text("Segmentation fault\n")
-    assert benchmark_fsdp2.trial_outcome(tmp_path, None, 60, log)["status"] == "timeout"
-    outcome = benchmark_fsdp2.trial_outcome(tmp_path, -11, 60, log)
+    assert driver.trial_outcome(tmp_path, None, 60, log)["status"] == "timeout"
+    outcome = driver.trial_outcome(tmp_path, -11, 60, log)
     assert outcome["status"] == "error" and "Segmentation fault" in outcome["error"]
 
 
@@ -198,7 +199,7 @@ def test_a_failed_saved_bytes_measurement_keeps_the_row(tmp_path):
     (tmp_path / "result.json").write_text(json.dumps({"status": "ok", "loss": 6.25}))
     failure = {"status": "OOM", "error": "out of memory", "phase": "saved-activations"}
     (tmp_path / "rank0.json").write_text(json.dumps(failure))
-    outcome = benchmark_fsdp2.trial_outcome(tmp_path, 1, 60, tmp_path / "log")
+    outcome = driver.trial_outcome(tmp_path, 1, 60, tmp_path / "log")
     assert outcome == {"status": "ok", "loss": 6.25, "saved_error": "OOM: out of memory"}
 
 
@@ -206,7 +207,7 @@ def test_tables_show_the_latest_row_of_a_measurement():
     row = {"row_type": "run", "block_size": 128, "budget": None, "model": "m", "n_layer": 2, "n_embd": 256}
     rows = [{**row, "backend": "thunder", "status": "error"}, {**row, "backend": "eager", "status": "ok"},
             {**row, "backend": "thunder", "status": "ok"}]
-    assert make_table.latest(rows) == [rows[2], rows[1]]
+    assert tables.latest(rows) == [rows[2], rows[1]]
 
 
 def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
@@ -214,9 +215,9 @@ def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
     and the plot of the probes' peaks against T."""
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "stablecode_32l_zero2_max_block_size.jsonl"
     plot_path = tmp_path / "search.png"
-    make_table.main([str(results), "--plot", str(plot_path)])
+    tables.main([str(results), "--plot", str(plot_path)])
     table = capsys.readouterr().out
-    summaries = make_table.search_results(make_table.load_rows([results]))
+    summaries = tables.search_results(load_rows([results]))
     assert table.startswith("#### Longest sequence that fits")
     assert table.count("\n| stablecode") == len(summaries) == 3
     assert plot_path.stat().st_size > 0
@@ -227,19 +228,18 @@ def test_resume_takes_rows_written_before_later_options():
     and --fusion existed, but must measure again a thunder+memopt row of that time, which ran on
     Thunder's executors alone."""
     trial = _stablecode_trial()
-    memopt = dataclasses.replace(trial, backend="thunder+memopt", budget=1.0)
-    before_options = {"row_type": "run", **trial.resume_key()}
+    memopt = trial.replace(backend="thunder+memopt", budget=1.0)
+    before_options = {"row_type": "run", **trial.key()}
     for added_later in ("autocast", "fusion"):
         del before_options[added_later]
-    assert benchmark_fsdp2.same_measurement(before_options, {"row_type": "run", **trial.resume_key()})
+    assert driver.same_measurement(before_options, {"row_type": "run", **trial.key()})
     memopt_before = {**before_options, "backend": "thunder+memopt", "budget": 1.0, "fuse_replays": "auto"}
-    assert not benchmark_fsdp2.same_measurement(memopt_before, {"row_type": "run", **memopt.resume_key()})
-    memopt_now = {"row_type": "run", **memopt.resume_key()}
-    assert benchmark_fsdp2.same_measurement(memopt_now, {"row_type": "run", **memopt.resume_key()})
-    for backend in benchmark_fsdp2.EXECUTOR_BACKENDS:
-        now = {"row_type": "run", **dataclasses.replace(memopt, backend=backend).resume_key()}
-        assert not benchmark_fsdp2.same_measurement(now, {"row_type": "run", **dataclasses.replace(
-            memopt, backend=backend, fusion="off").resume_key()})
+    assert not driver.same_measurement(memopt_before, {"row_type": "run", **memopt.key()})
+    memopt_now = {"row_type": "run", **memopt.key()}
+    assert driver.same_measurement(memopt_now, {"row_type": "run", **memopt.key()})
+    for backend in ("thunder+fusion", "thunder+memopt"):  # the backends that run thunder_memopt's executors
+        now = {"row_type": "run", **memopt.replace(backend=backend).key()}
+        assert not driver.same_measurement(now, {"row_type": "run", **memopt.replace(backend=backend, fusion="off").key()})
 
 
 @pytest.mark.parametrize("backend", ["eager", "thunder"])
@@ -255,9 +255,8 @@ def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
     trial = _stablecode_trial(n_layer=1, n_embd=128, narrowed=True, block_size=64, distributed_mode="none",
                               world_size=1, backend=backend, warmup=1, iters=1)
     losses = {}
-    for loss_mode in benchmark_fsdp2.LOSS_MODES:
-        training = benchmark_fsdp2.prepare_training(build_model(config), dataclasses.replace(trial, loss_mode=loss_mode),
-                                                    torch.device("cpu"))
+    for loss_mode in LOSS_MODES:
+        training = worker.prepare_training(build_model(config), trial.replace(loss_mode=loss_mode), torch.device("cpu"))
         loss = training.forward(input_ids, targets)
         loss.backward()
         losses[loss_mode] = loss.item()
@@ -278,9 +277,23 @@ def test_summary_has_a_row_per_backend_and_a_column_per_block_size():
     rows = [{**row, "backend": "thunder", "block_size": 128, "peak_alloc_max": 3 * 2**30, "step_ms": 20.0},
             {**row, "backend": "eager", "block_size": 256, "status": "OOM"},
             {**row, "backend": "eager", "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}]
-    lines = make_table.summary(rows).splitlines()
+    lines = tables.summary(rows).splitlines()
     assert lines[2:] == ["| backend | T=128: peak GiB / step ms | T=256: peak GiB / step ms |", "|---|---|---|",
                          "| eager | 1.00 / 10 | OOM |", "| thunder | 3.00 / 20 | – |"]
+
+
+def test_ratios_pair_only_rows_of_one_invocation():
+    run = {**TABLE_ROW, "block_size": 128, "command": "benchmark_fsdp2.py --compile inductor thunder",
+           "first_step_s": 10.0}
+    rows = [{**run, "backend": "inductor", "peak_alloc_max": 4 * 2**30, "step_ms": 50.0, "date": "2026-12-01T10:00:00"},
+            {**run, "backend": "thunder", "peak_alloc_max": 3 * 2**30, "step_ms": 55.0, "date": "2026-12-01T10:05:00"},
+            # Another invocation: another command line, or the same one hours later.
+            {**run, "backend": "eager", "command": "other", "peak_alloc_max": 2**30, "step_ms": 60.0,
+             "date": "2026-12-01T10:06:00"},
+            {**run, "backend": "thunder+memopt", "budget": 1.0, "peak_alloc_max": 2**30, "step_ms": 60.0,
+             "date": "2026-12-01T12:00:00"}]
+    lines = tables.ratios(rows, "inductor").splitlines()[4:]
+    assert lines == ["| 128 | thunder | 0.75x (3.00 / 4.00 GiB) | 1.100x (55.0 / 50.0 ms) | 10.0 / 10.0 | 2026-12-01 10:00 |"]
 
 
 def test_summary_puts_defaults_first_and_latest_code_leaves_out_rows_before_the_executors(tmp_path, capsys):
@@ -296,15 +309,15 @@ def test_summary_puts_defaults_first_and_latest_code_leaves_out_rows_before_the_
             {**row, "backend": "thunder", "budget": None}, {**row, "backend": "thunder+fusion", "fusion": "on"}]
     results = tmp_path / "rows.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    labels = [line.split(" | ")[0] for line in make_table.summary(rows).splitlines()[4:]]
+    labels = [line.split(" | ")[0] for line in tables.summary(rows).splitlines()[4:]]
     assert labels == ["| thunder", "| thunder+fusion", "| thunder+memopt @1", "| thunder+memopt @0.5",
                       "| thunder+memopt @0", "| thunder+memopt @1 [recompute]",
                       "| thunder+memopt @1 [unfused replays]", "| thunder+memopt @1 [fused replays]",
                       "| thunder+memopt @1 [fusion off]"]
-    make_table.main([str(results), "--summary", "--latest-code", "--plot", str(tmp_path / "plot.png")])
+    tables.main([str(results), "--summary", "--latest-code", "--plot", str(tmp_path / "plot.png")])
     out = capsys.readouterr().out
     assert "replays" not in out and "fusion off" in out
-    assert make_table.varying_fields(rows) == []
+    assert tables.varying_fields(rows) == []
 
 
 def test_rows_name_the_package_tree_git_would_give(tmp_path):
@@ -318,7 +331,7 @@ def test_rows_name_the_package_tree_git_would_give(tmp_path):
     for command in (["init", "-q"], ["add", "thunder_memopt"], ["commit", "-q", "-m", "package"]):
         subprocess.run(git + command, check=True)
     expected = subprocess.run(git + ["rev-parse", "HEAD:thunder_memopt"], check=True, capture_output=True, text=True)
-    assert benchmark_fsdp2.git_tree_hash(package) == expected.stdout.strip()
+    assert driver.git_tree_hash(package) == expected.stdout.strip()
 
 
 def test_profile_rows_get_a_kernel_table_per_step():
@@ -326,7 +339,45 @@ def test_profile_rows_get_a_kernel_table_per_step():
            "date": "2026-11-30T06:55:06+00:00", "peak_alloc_max": 2**30, "peak_reserved_max": 2**30,
            "profile": {"gpu_busy_fraction": 0.97, "top_gpu_ms": [["copy_kernel" + "<T>" * 40, 150.0, 1320]],
                        "top_cpu_ms": []}}
-    section = make_table.markdown([row]).split("##### ")[1]
+    section = tables.markdown([row]).split("##### ")[1]
     assert section.startswith("Profile: thunder, T=128, 2026-11-30T06:55: 20 ms per step, GPU busy 97%")
     kernel_line = section.splitlines()[-1]
     assert kernel_line.endswith("| 30.0 | 264 |") and len(kernel_line) < 120
+
+
+def test_the_backends_come_from_the_registry():
+    """--compile, the budget flags, the rows each backend makes and gpu_suite.sh's list all read
+    backends.BACKENDS: a backend is one entry there."""
+    from benchmarks.fsdp2 import backends, cli
+
+    listed = subprocess.run([sys.executable, "-m", "benchmarks.fsdp2.backends"], cwd=REPOSITORY, check=True,
+                            capture_output=True, text=True).stdout.split()
+    assert listed == list(backends.BACKENDS)
+    args, _ = cli.parse_args(["--n-embd", "128", "--inductor-budget", "0.5", "0.25"])
+    assert args.compile == listed and args.memopt_budget == [1.0]
+    args.resolved_n_embd = 128
+    args.block_size = [64]
+    trials = cli.backend_trials(args, cli.trial_template(args, world_size=2))
+    assert [(t.compilation.backend, t.compilation.budget) for t in trials] == [
+        ("eager", None), ("eager-ac", None), ("inductor", None), ("inductor-budget", 0.5), ("inductor-budget", 0.25),
+        ("thunder", None), ("thunder+fusion", None), ("thunder+memopt", 1.0)]
+    thunder_fsdp, _ = cli.parse_args(["--distributed-mode", "thunder-fsdp"])
+    assert thunder_fsdp.compile == ["thunder", "thunder+fusion", "thunder+memopt"]
+
+
+def test_trials_round_trip_and_the_committed_rows_read_back():
+    """A trial's fields go to the worker and come back equal; every committed row reads back as the
+    trial it measured, fields added since it was written taking the values rows had before."""
+    trial = _stablecode_trial(backend="thunder+memopt", budget=0.5, memopt_passes=("recompute",), fusion="off",
+                              profile=True, memory_snapshot="/tmp/snapshot.pickle")
+    assert Trial.from_fields(json.loads(json.dumps(trial.fields()))) == trial
+    assert "profile" not in trial.key() and "memory_snapshot" not in trial.key()
+    rows = load_rows(sorted((REPOSITORY / "benchmarks" / "results").glob("*.jsonl")))
+    runs = [row for row in rows if row["row_type"] == "run"]
+    assert len(runs) > 100
+    for row in runs:
+        key = Trial.from_row(row).key()
+        assert all(key[field] == (tuple(value) if field == "memopt_passes" and value else value)
+                   for field, value in row.items() if field in key), row["log"]
+        assert driver.same_measurement(row, {"row_type": "run", **key}) == ("fusion" in row
+                                                                            or row["backend"] != "thunder+memopt")

@@ -70,6 +70,30 @@ def test_fusion_with_and_without_memopt_is_close_to_plain_thunder_and_saves_no_m
     assert_same_numerics(fused, both)
 
 
+def test_a_region_is_compiled_again_for_inputs_of_another_layout(monkeypatch):
+    """Regions run inductor's code without dynamo's guards: the code is specialized to its inputs'
+    strides, so a transposed input must get code of its own, not the contiguous input's. (The
+    compilation is stubbed: what is tested is which layouts get their own.)"""
+    from thunder_memopt.executors import fusion
+
+    compiled_for = []
+
+    def compile_stub(fn, args):
+        compiled_for.append(tuple(a.stride() for a in args))
+        return fn
+
+    monkeypatch.setattr(fusion, "_inductor_compiled", compile_stub)
+
+    def scale_and_round(x):
+        return ((x.float() * 3.0).to(torch.bfloat16),)
+
+    region = fusion._CompiledRegion(scale_and_round)
+    rows, columns = torch.randn(8, 16).bfloat16(), torch.randn(16, 8).bfloat16().t()  # both 8 x 16
+    for x in (rows, columns, rows.clone(), columns):
+        assert torch.equal(region(x)[0], scale_and_round(x)[0])
+    assert compiled_for == [((16, 1),), ((1, 8),)] and region.seconds >= 0
+
+
 @pytest.mark.parametrize("transforms", [[], [MemoryOptimization()]], ids=["thunder", "memopt"])
 def test_fusion_off_is_bit_identical_to_plain_thunder(transforms):
     plain = train_step(STABLECODE, transforms and [MemoryOptimization()], n_layer=1, seq_len=64)

@@ -61,6 +61,33 @@ def test_function_matches_cross_entropy_of_the_linear(reduction, with_bias, soft
         torch.testing.assert_close(a, b, **FP32_GRAD)
 
 
+def test_the_compiled_one_hot_mask_subtracts_what_the_eager_indexed_update_does(monkeypatch):
+    """Compiled, the chunk's gradient takes the one-hot target as a pointwise mask (which inductor
+    fuses); eagerly, as an indexed update in place. Run both eagerly: the same bits."""
+    from thunder_memopt.executors import chunked_cross_entropy as cce
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 96, generator=g).bfloat16()
+    target = torch.randint(0, 96, (40,), generator=g)
+    hit = torch.rand(40, generator=g) > 0.2
+    row_scale = torch.rand(40, generator=g)
+    lse, _ = cce._lse_and_target_logit(logits, target, None)
+    indexed = cce._logits_grad(logits, lse, target, hit, row_scale, None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    masked = cce._logits_grad(logits, lse, target, hit, row_scale, None)
+    assert torch.equal(masked, indexed)
+
+
+def test_chunks_are_all_tokens_only_with_the_gradients_in_the_forward_on_cuda():
+    from thunder_memopt.executors.chunked_cross_entropy import chunk_tokens
+
+    assert chunk_tokens(8192, 49152, gradients_in_forward=True, device="cuda") == 8192
+    # Elsewhere: about 128 MiB of fp32 logits a chunk, a multiple of 128 tokens, at least eight chunks.
+    for gradients_in_forward, device in ((False, "cuda"), (True, "cpu"), (False, "cpu")):
+        assert chunk_tokens(8192, 49152, gradients_in_forward=gradients_in_forward, device=device) == 640
+    assert chunk_tokens(1024, 512) == 128
+
+
 def test_function_rejects_bad_options():
     h, w, t = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long)
     for kwargs, error, name in [

@@ -17,17 +17,14 @@ This module rewrites the post-optimization traces (dels stripped, reordered, del
   final, and its wait placed when ``max(prefetch, 1)`` newer reduce-scatters have been issued (or at
   the return), since the collective holds the unsharded gradient until it is waited on.
 
-``keep_collectives_out_of_thunder`` guards the FSDP2 path: functional collectives in a dynamo graph
-must not run in Thunder, which maps ``wait_tensor`` to identity.
-
-``CollectivesPass`` carries the ZeRO-3 plan from a forward to the backward that follows it, like
-the recompute pass does, and must run after it on both traces.
+``CollectivesPass.forward`` returns the ZeRO-3 plan that the backward of the same pair must be given;
+it runs after the recompute pass on both traces.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from thunder.core.proxies import TensorProxy
@@ -60,7 +57,6 @@ __all__ = [
     "apply_zero3_to_backward",
     "CollectiveBytes",
     "collective_bytes_at_peak",
-    "keep_collectives_out_of_thunder",
 ]
 
 ALL_GATHER = "torch_all_gather_prim_impl"
@@ -281,9 +277,10 @@ def apply_zero3_to_backward(backward_trace: TraceCtx, plan: Zero3Plan) -> TraceC
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CollectivesPass:
-    """The collective passes of one transform instance, with the forward's plan for its backward.
+    """The collective passes of one transform instance: a forward returns the ZeRO-3 plan that the
+    caller gives to its backward.
 
     Args:
         prefetch: all-gathers issued ahead of the one being waited on; also bounds un-waited
@@ -293,26 +290,24 @@ class CollectivesPass:
 
     prefetch: int = 2
     zero3: bool | None = None
-    _pending: Zero3Plan | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative int, got {self.prefetch!r}")
 
-    def forward(self, trace: TraceCtx) -> TraceCtx:
-        self._pending = None
+    def forward(self, trace: TraceCtx) -> tuple[TraceCtx, Zero3Plan | None]:
+        """The forward scheduled, and the ZeRO-3 plan its backward must follow (None: nothing to re-gather)."""
         plan = plan_zero3(trace) if (is_zero3_module() if self.zero3 is None else self.zero3) else None
         if plan is not None and plan.regather:
             trace = apply_zero3_to_forward(trace, plan)
         trace = schedule_all_gathers(trace, self.prefetch)
         # Only a forward that was fully rewritten hands its plan to the backward.
-        self._pending = plan if plan is not None and plan.regather else None
-        return trace
+        return trace, plan if plan is not None and plan.regather else None
 
-    def backward(self, trace: TraceCtx) -> TraceCtx:
-        plan, self._pending = self._pending, None
-        if plan is not None:
-            trace = apply_zero3_to_backward(trace, plan)
+    def backward(self, trace: TraceCtx, zero3: Zero3Plan | None) -> TraceCtx:
+        """The backward scheduled; with ``zero3``, its forward's plan, re-gathering what it saved sharded."""
+        if zero3 is not None:
+            trace = apply_zero3_to_backward(trace, zero3)
         trace = schedule_reduce_scatters(trace, self.prefetch)
         return schedule_all_gathers(trace, self.prefetch)
 
@@ -373,36 +368,3 @@ def collective_bytes_at_peak(trace: TraceCtx) -> CollectiveBytes:
         max_unsharded_param_bytes=max((live_bytes(i, gathered) for i in range(len(bsyms))), default=0),
         max_unsharded_grad_bytes=max((live_bytes(i, scattered) for i in range(len(bsyms))), default=0),
     )
-
-
-# Namespaces of FSDP2's traced communication: functional collectives and its copy-in/out ops.
-_COLLECTIVE_NAMESPACES = {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor", "fsdp"}
-
-
-def _is_collective_target(target) -> bool:
-    namespace = getattr(target, "namespace", None)  # OpOverload and OpOverloadPacket
-    if namespace is None:
-        namespace = str(getattr(target, "_qualified_op_name", "")).split("::")[0] or None
-    if namespace in _COLLECTIVE_NAMESPACES:
-        return True
-    return getattr(target, "__module__", "") == "torch.distributed._functional_collectives"
-
-
-def _run_outside_thunder(target):
-    """A callable Thunder has no mapping for, so its splitter sends the node to inductor."""
-
-    def collective(*args, **kwargs):
-        return target(*args, **kwargs)
-
-    collective.__name__ = f"thunder_memopt_outside_thunder_{getattr(target, '__name__', 'op')}"
-    return collective
-
-
-def keep_collectives_out_of_thunder(gm) -> int:
-    """Rewrite a dynamo ``GraphModule`` in place so no collective lands in a Thunder region; the count."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and _is_collective_target(n.target)]
-    for n in nodes:
-        n.target = _run_outside_thunder(n.target)
-    if nodes:
-        gm.recompile()
-    return len(nodes)

@@ -132,7 +132,9 @@ def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> T
         with tracectx(new):
             hidden = ltorch.reshape(x, (tokens, x.shape[-1]))
             loss = head_loss(hidden, weight, bias, target, head.ignore_index, head.reduction,
-                             chunk_tokens(tokens, vocab), ce.output.dtype, gradients_in_forward)
+                             chunk_tokens(tokens, vocab, gradients_in_forward=gradients_in_forward,
+                                          device=x.device.type),
+                             ce.output.dtype, gradients_in_forward)
         new.pop_scope()
         scope[-1] = scope[-1].from_bsym_swap_proxies({variableify(loss): ce.output})
         replacement[id(ce)] = scope

@@ -1,18 +1,23 @@
 """Narrowed litgpt models: the real architectures at a width that runs anywhere.
 
-The report, the examples, the tests and the benchmark all build their models here, so that "the
-narrowed stablecode" means one thing across the project.
+The report, the examples, the tests and the benchmark all build, feed and train their models
+here, so that "the narrowed stablecode" and "a training step" mean one thing across the project.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["narrow_config", "build_model", "random_batch", "GPTWithLoss", "next_token_loss"]
+__all__ = ["DTYPES", "narrow_config", "build_model", "random_batch", "GPTWithLoss", "next_token_loss", "training_step"]
 
 
 # Head size of narrowed models (narrow_config).
 HEAD_SIZE = 64
+# Model dtypes by the names the command lines take: short (bf16) and torch's own (bfloat16).
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
 
 
 def narrow_config(
@@ -99,3 +104,14 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, *, upcast_logit
     if upcast_logits:
         logits = logits.float()
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def training_step(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer,
+                  input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on one batch: the loss ``loss_of(input_ids, targets)``, its backward, the
+    optimizer's step, and the gradients dropped (set to None). Returns the loss, detached."""
+    loss = loss_of(input_ids, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()

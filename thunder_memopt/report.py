@@ -20,12 +20,11 @@ import torch
 from thunder_memopt.arguments import device_name, fraction, litgpt_model_name, narrow_width, non_negative_int, positive_int
 from thunder_memopt.measure import measure_saved, peak_live_bytes
 from thunder_memopt.memory import SavedInventory, estimate_step, saved_for_backward
-from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
+from thunder_memopt.models import DTYPES, GPTWithLoss, build_model, narrow_config, random_batch, training_step
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = ["Column", "measure_column", "main"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GiB = 2**30
 MiB = 2**20
 
@@ -48,7 +47,7 @@ class Column:
 def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int]) -> Column:
     """Saved bytes at both layer counts, inventory and peaks at the larger."""
     device = torch.device(args.device)
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     saved, result = [], None
     for n_layer in layer_counts:
         cfg = narrow_config(args.model_name, n_layer=n_layer, n_embd=args.n_embd, block_size=args.block_size)
@@ -101,17 +100,14 @@ def _train_a_few_steps(args: argparse.Namespace) -> None:
     """The demo's training: a few AdamW steps under thunder.jit with MemoryOptimization."""
     device = torch.device(args.device)
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd, block_size=args.block_size)
-    model = build_model(cfg, dtype=_DTYPES[args.dtype], device=device)
+    model = build_model(cfg, dtype=DTYPES[args.dtype], device=device)
     transforms = [MemoryOptimization(activation_budget=args.budget)]
     jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), transforms=transforms)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.train_steps):
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device, seed=step)
         start = time.perf_counter()
-        loss = jitted(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = training_step(jitted, optimizer, x, y)
         print(f"  step {step + 1}/{args.train_steps}: loss {loss.item():.4f} ({time.perf_counter() - start:.1f} s)", flush=True)
 
 
@@ -171,7 +167,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="narrow to this width, a multiple of 64 (default: 256 on CPU, real on GPU)")
     p.add_argument("--block-size", type=positive_int, default=512 if not has_gpu else 8192, help="sequence length")
     p.add_argument("--micro-batch-size", type=positive_int, default=1)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", type=device_name, default="cuda" if has_gpu else "cpu")
     p.add_argument("--budget", type=fraction, default=1.0, help="MemoryOptimization activation_budget, in [0, 1]")
     p.add_argument("--train-steps", type=non_negative_int, default=3,

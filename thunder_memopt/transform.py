@@ -22,10 +22,10 @@ function, after its own optimization and ``del_last_used``. The other passes run
    last so that it prices the frees the collectives pass made early, and it keeps the collectives
    where that pass put them.
 
-The forward decides what the backward must recompute, so the plan made on a forward is handed to
-the backward that immediately follows it. The plan is keyed by the saved tensors' names and checked
-against the backward's inputs; ThunderCompiler shares one transform instance across all its
-subgraphs, and this keeps their forward/backward pairs apart.
+The forward decides what the backward must recompute and re-gather, so what a forward leaves for
+its backward (the recompute plans, the ZeRO-3 plan, the forward handed back) is one record, keyed by
+the tensors Thunder's forward saves, which are the backward's inputs; ThunderCompiler shares one
+transform instance across all its subgraphs, and the key keeps their forward/backward pairs apart.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from thunder.core.transform_common import Transform
 from thunder_memopt import collectives, loss_head, recompute, schedule
 from thunder_memopt.executors.fusion import InductorFusionExecutor
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
-from thunder_memopt.memory import backward_storages, strip_deletions, tensor_args, tensor_outs
+from thunder_memopt.memory import backward_storages, saved_proxies, strip_deletions, tensor_args, tensor_outs
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
@@ -55,15 +55,25 @@ _T = TypeVar("_T")
 _LADDER_STEPS = 8
 
 
-@dataclass
-class _Pending:
-    """A forward's recompute plans, waiting for the backward that immediately follows it."""
+@dataclass(frozen=True)
+class _Recompute:
+    """A forward's recompute plans, for its backward to pick one by the budget."""
 
     original: TraceCtx  # the forward as Thunder handed it, its fusion regions taken apart
     plans: list[recompute.RecomputePlan]  # the default first
     replays: list[BoundSymbol]  # what the backward replays for plans[0]: the forward's replay regions
-    returned: TraceCtx  # the forward handed back to Thunder
     fusion: InductorFusionExecutor | None  # the fusion executor in the executor list
+
+
+@dataclass
+class _Pair:
+    """What a forward leaves for its backward. ``MemoryOptimization`` keeps one per forward, keyed by
+    the tensors Thunder's forward saves, which are the inputs of the backward Thunder hands over
+    next; ThunderCompiler shares one transform instance across all its subgraphs."""
+
+    returned: TraceCtx  # the forward handed back to Thunder
+    recompute: _Recompute | None = None
+    zero3: collectives.Zero3Plan | None = None  # the backward re-gathers what the forward saved sharded
 
 
 PASSES = ("loss_head", "recompute", "collectives", "schedule")
@@ -112,8 +122,7 @@ class MemoryOptimization(Transform):
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
-        self._pending: _Pending | None = None
-        self._forward_returned: TraceCtx | None = None  # priced with the backward that follows it
+        self._pairs: dict[tuple[str, ...], _Pair] = {}
         self._collectives = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
         self.schedule_results: list[schedule.ScheduleResult] = []
         # Seconds spent in each pass over every trace this instance has seen (compile-time cost).
@@ -146,8 +155,8 @@ class MemoryOptimization(Transform):
         return self._schedule(computation_trace)
 
     def _forward(self, trace: TraceCtx, fusion: InductorFusionExecutor | None) -> TraceCtx:
-        self._pending = None
-        fused = None
+        key = tuple(t.name for t in saved_proxies(trace)[0])
+        fused = planned = None
         if "recompute" in self.passes:
             flat = trace if fusion is None else fusion.unfuse(trace)
 
@@ -157,19 +166,18 @@ class MemoryOptimization(Transform):
 
             planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
             if planned is not None:
-                plans, recomputed = planned
                 fused = self._guarded("fusion", "this trace as Thunder fused it, without recompute",
-                                      lambda: _fuse_forward(recomputed, plans[0], fusion))
-        out = self._after_recompute_forward(trace if fused is None else fused[0])
-        if fused is not None:
-            self._pending = _Pending(original=flat, plans=plans, replays=fused[1], returned=out, fusion=fusion)
-        self._forward_returned = out
+                                      lambda: _fuse_forward(planned[1], planned[0][0], fusion))
+        out, zero3 = self._after_recompute_forward(trace if fused is None else fused[0])
+        pending = None if fused is None else _Recompute(original=flat, plans=planned[0], replays=fused[1], fusion=fusion)
+        self._pairs[key] = _Pair(returned=out, recompute=pending, zero3=zero3)
         return out
 
     def _backward(self, trace: TraceCtx) -> TraceCtx:
-        pending, self._pending = self._pending, None
+        pair = self._pairs.pop(tuple(t.name for t in trace.args[0][0]), None)
+        pending = None if pair is None else pair.recompute
         if pending is None:
-            return self._after_recompute_backward(trace)
+            return self._after_recompute_backward(trace, pair)
         # The forward was already changed; failing here would leave the pair inconsistent, so any
         # mismatch is an error rather than a silent fallback.
         fusion = pending.fusion
@@ -186,9 +194,9 @@ class MemoryOptimization(Transform):
             self.schedule_results = []
             with self._timed("fusion"):
                 fused, replays = _fuse_forward(forward, pending.plans[k], fusion)
-            chosen = self._after_recompute_forward(fused)
-            pending.returned.bound_symbols = chosen.bound_symbols
-            pending.returned.scopes = [pending.returned.bound_symbols]
+            chosen, pair.zero3 = self._after_recompute_forward(fused)
+            pair.returned.bound_symbols = chosen.bound_symbols
+            pair.returned.scopes = [pair.returned.bound_symbols]
         plan = pending.plans[k]
         with self._timed("recompute"):
             backward = recompute.replay_in_backward(flat, key=plan.key, saved=plan.saved, replayed=replays,
@@ -196,16 +204,17 @@ class MemoryOptimization(Transform):
         if fusion is not None:
             with self._timed("fusion"):
                 backward = fusion.refuse(backward)
-        return self._after_recompute_backward(backward)
+        return self._after_recompute_backward(backward, pair)
 
-    def _after_recompute_forward(self, trace: TraceCtx) -> TraceCtx:
-        return self._schedule(self._collectives_forward(trace))
+    def _after_recompute_forward(self, trace: TraceCtx) -> tuple[TraceCtx, collectives.Zero3Plan | None]:
+        trace, zero3 = self._collectives_forward(trace)
+        return self._schedule(trace), zero3
 
-    def _after_recompute_backward(self, trace: TraceCtx) -> TraceCtx:
+    def _after_recompute_backward(self, trace: TraceCtx, pair: _Pair | None) -> TraceCtx:
         # The forward handed back (its bound symbols replaced if a budget chose another rung)
         # tells which saved tensors share a storage.
-        forward, self._forward_returned = self._forward_returned, None
-        return self._schedule(self._collectives_backward(trace), forward)
+        trace = self._collectives_backward(trace, None if pair is None else pair.zero3)
+        return self._schedule(trace, None if pair is None else pair.returned)
 
     def _schedule(self, trace: TraceCtx, forward: TraceCtx | None = None) -> TraceCtx:
         if "schedule" not in self.passes:
@@ -222,17 +231,22 @@ class MemoryOptimization(Transform):
         self.schedule_results.append(result)
         return result.trace
 
-    def _collectives_forward(self, trace: TraceCtx) -> TraceCtx:
+    def _collectives_forward(self, trace: TraceCtx) -> tuple[TraceCtx, collectives.Zero3Plan | None]:
         if "collectives" not in self.passes:
-            return trace
+            return trace, None
         gathered = self._guarded("collectives", "this trace unchanged", lambda: self._collectives.forward(trace))
-        return trace if gathered is None else gathered
+        return (trace, None) if gathered is None else gathered
 
-    def _collectives_backward(self, trace: TraceCtx) -> TraceCtx:
+    def _collectives_backward(self, trace: TraceCtx, zero3: collectives.Zero3Plan | None) -> TraceCtx:
         if "collectives" not in self.passes:
             return trace
-        with self._timed("collectives"):
-            return self._collectives.backward(trace)
+        if zero3 is not None:
+            # Not guarded: the forward already saves shards for this plan, so the backward must
+            # re-gather them or fail; a fallback would leave the pair inconsistent.
+            with self._timed("collectives"):
+                return self._collectives.backward(trace, zero3)
+        scheduled = self._guarded("collectives", "this trace unchanged", lambda: self._collectives.backward(trace, None))
+        return trace if scheduled is None else scheduled
 
     def _guarded(self, name: str, kept: str, run: Callable[[], _T]) -> _T | None:
         """``run()``, timed as pass ``name``; None and one warning if it raises, so that a pass never

@@ -1,6 +1,6 @@
 """Which elementwise ops does inductor (EAGER_NUMERICS options) compute bit-identically to ATen on CUDA?"""
 import torch
-from thunder_memopt.fuse import EAGER_NUMERICS
+from thunder_memopt.executors.fusion import EAGER_NUMERICS
 torch.manual_seed(0)
 n = 1 << 20
 x = torch.randn(n, device="cuda") * 3

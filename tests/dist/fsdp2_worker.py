@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 import thunder_memopt.backend as backend_module
 from thunder.dynamo import ThunderCompiler
-from thunder_memopt.collectives import keep_collectives_out_of_thunder
+from thunder_memopt.backend import keep_collectives_out_of_thunder
 from _common import finish, max_grad_diff
 from thunder_memopt.memory import saved_for_backward, storage_roots, trace_inputs
 from thunder_memopt.models import build_model, narrow_config, random_batch

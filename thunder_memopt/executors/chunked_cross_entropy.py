@@ -44,10 +44,16 @@ _CHUNK_MULTIPLE = 128
 _MIN_CHUNKS = 8
 
 
-def chunk_tokens(tokens: int, vocab: int) -> int:
+def chunk_tokens(tokens: int, vocab: int, *, gradients_in_forward: bool = False, device: str = "cpu") -> int:
     """Tokens per chunk: fp32 logits of about 128 MiB, and at least eight chunks where that would
     leave fewer (so that a small head's chunk is still small next to its logits), a multiple of
-    128 tokens, at most all."""
+    128 tokens, at most all.
+
+    With the gradients in the forward on CUDA, all tokens: there the logits are written into the
+    logits' gradient buffer, tokens x vocab anyway, and each chunk's math is one compiled kernel
+    without an fp32 copy, so one chunk costs no memory and makes one whole matmul."""
+    if gradients_in_forward and device == "cuda":
+        return tokens
     by_bytes = _CHUNK_LOGIT_BYTES // (4 * vocab)
     by_count = -(-tokens // _MIN_CHUNKS)
     per_chunk = max(_CHUNK_MULTIPLE, min(by_bytes, by_count) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
@@ -80,29 +86,42 @@ def _logits_grad(logits, lse, column, hit, row_scale, softcap):
     # d(c tanh(x/c))/dx, from the capped logits, before they are overwritten.
     capped = None if softcap is None else z.div(softcap).square_().neg_().add_(1.0)
     g = z.sub_(lse[:, None]).exp_()
-    rows = torch.arange(g.shape[0], device=g.device)
-    g[rows, column] -= hit.to(g.dtype)
+    # Minus the one-hot target. Eagerly an indexed update in place allocates nothing; compiled, it
+    # would make inductor materialize the chunk in fp32, where a mask is pointwise and fuses. Both
+    # subtract 1 at the target and nothing elsewhere.
+    if torch.compiler.is_compiling():
+        g.sub_(((torch.arange(g.shape[1], device=g.device) == column[:, None]) & hit[:, None]).to(torch.uint8))
+    else:
+        g[torch.arange(g.shape[0], device=g.device), column] -= hit.to(g.dtype)
     g *= row_scale[:, None]
     if capped is not None:
         g *= capped
     return g.to(logits.dtype)
 
 
-def _loss_terms_and_logits_grad(logits, target, hit, row_scale, softcap):
+def _loss_terms_and_logits_grad_(logits, target, hit, row_scale, softcap):
+    """A chunk's loss terms (log-sum-exp, target logit), its logits overwritten by their gradient."""
     lse, picked = _lse_and_target_logit(logits, target, softcap)
-    return lse, picked, _logits_grad(logits, lse, target, hit, row_scale, softcap)
+    logits.copy_(_logits_grad(logits, lse, target, hit, row_scale, softcap))
+    return lse, picked
+
+
+def _scaled(grad, grad_hidden, grad_weight, grad_bias):
+    """The unit-upstream gradients computed in the forward, times the upstream gradient."""
+    return tuple(None if g is None else g * grad for g in (grad_hidden, grad_weight, grad_bias))
 
 
 # On CUDA each chunk's math is one inductor kernel that reads the model-dtype logits once, instead
-# of several passes over fp32 copies; elsewhere it runs eagerly, in place.
+# of several passes over fp32 copies, and so is the scaling of the gradients (a bf16 tensor times
+# an fp32 scalar tensor takes ATen's slow mixed-dtype path); elsewhere they run eagerly, in place.
 _COMPILED = {
     f: torch.compile(f, dynamic=False)
-    for f in (_lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad)
+    for f in (_lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad_, _scaled)
 }
 
 
-def _per_chunk(f, logits):
-    return _COMPILED[f] if logits.is_cuda else f
+def _on_device(f, tensor):
+    return _COMPILED[f] if tensor.is_cuda else f
 
 
 def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype):
@@ -115,7 +134,7 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, ch
         logits = torch.nn.functional.linear(hidden[start:stop], weight, bias)
         t = targets[start:stop]
         valid = t != ignore_index
-        lse[start:stop], picked = _per_chunk(_lse_and_target_logit, logits)(logits, torch.where(valid, t, 0), softcap)
+        lse[start:stop], picked = _on_device(_lse_and_target_logit, logits)(logits, torch.where(valid, t, 0), softcap)
         del logits
         total += torch.where(valid, lse[start:stop] - picked, 0.0).sum()
     if reduction == "mean":
@@ -127,11 +146,11 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
     """(loss, and the gradients of the hidden states, the weight and the bias for a unit upstream
     gradient), computing the logits once.
 
-    Each chunk's logits become, in one kernel, its loss terms and its logits' gradient in the
-    model's dtype, written into one tokens x vocab buffer; two whole matmuls then give the
-    gradients, each rounded once as in the unfused head. Summing a vocab x C product per chunk
-    instead would cost a pass over an fp32 accumulator per chunk, slower than the matmuls for
-    Llama-3's 128k vocabulary. The buffer lives only inside this function."""
+    Each chunk's logits are written into one tokens x vocab buffer and become there, in one
+    kernel, the chunk's loss terms and its logits' gradient in the model's dtype; two whole matmuls
+    then give the gradients, each rounded once as in the unfused head. Summing a vocab x C product
+    per chunk instead would cost a pass over an fp32 accumulator per chunk, slower than the matmuls
+    for Llama-3's 128k vocabulary. The buffer lives only inside this function."""
     n = hidden.shape[0]
     valid = targets != ignore_index
     target = torch.where(valid, targets, 0)
@@ -141,10 +160,13 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
     logits_grad = torch.empty((n, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        logits = torch.nn.functional.linear(hidden[start:stop], weight, bias)
-        lse, picked, logits_grad[start:stop] = _per_chunk(_loss_terms_and_logits_grad, logits)(
+        logits = logits_grad[start:stop]
+        if bias is None:
+            torch.mm(hidden[start:stop], weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hidden[start:stop], weight.t(), out=logits)
+        lse, picked = _on_device(_loss_terms_and_logits_grad_, logits)(
             logits, target[start:stop], valid[start:stop], row_scale[start:stop], softcap)
-        del logits
         total += torch.where(valid[start:stop], lse - picked, 0.0).sum()
     if reduction == "mean":
         total = total / count
@@ -180,7 +202,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
             logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[start:stop])
             hit = valid & (target >= start) & (target < stop)
             column = (target - start).clamp_(0, stop - start - 1)
-            g = _per_chunk(_logits_grad, logits)(logits, lse, column, hit, row_scale, softcap)
+            g = _on_device(_logits_grad, logits)(logits, lse, column, hit, row_scale, softcap)
             del logits
             grad_hidden += (g @ w).float()
             if grad_weight is not None:
@@ -195,7 +217,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
         stop = min(n, start + chunk)
         h = hidden[start:stop]
         logits = torch.nn.functional.linear(h, weight, bias)
-        g = _per_chunk(_logits_grad, logits)(logits, lse[start:stop], target[start:stop], valid[start:stop],
+        g = _on_device(_logits_grad, logits)(logits, lse[start:stop], target[start:stop], valid[start:stop],
                                              row_scale[start:stop], softcap)
         del logits
         grad_hidden[start:stop] = g @ weight
@@ -269,7 +291,7 @@ def linear_cross_entropy(
         ignore_index: targets equal to it add nothing and are not counted by ``mean``.
         reduction: "mean" or "sum".
         softcap: if given, logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft-capping).
-        chunk_size: tokens per chunk; None picks about 128 MiB of fp32 logits per chunk.
+        chunk_size: tokens per chunk; None picks them by ``chunk_tokens``.
         gradients_in_forward: compute the gradients in the forward with the logits it has (one
             matmul less; the logits' gradient, tokens x vocab in the model's dtype, lives during
             the forward, and the gradients until the backward) instead of recomputing the logits
@@ -284,7 +306,8 @@ def linear_cross_entropy(
             f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}"
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0])
+    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0], gradients_in_forward=gradients_in_forward,
+                                       device=flat.device.type)
     return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1), ignore_index, reduction,
                                      None if softcap is None else float(softcap), chunk, gradients_in_forward)
 
@@ -344,7 +367,7 @@ def _scale_meta(grad, grad_hidden, grad_weight, grad_bias):
 
 
 def _scale_impl(grad, grad_hidden, grad_weight, grad_bias):
-    return tuple(None if g is None else g * grad for g in (grad_hidden, grad_weight, grad_bias))
+    return _on_device(_scaled, grad_hidden)(grad, grad_hidden, grad_weight, grad_bias)
 
 
 # Tagged as a matmul: the recompute pass replays it only below budget 1.0, like the head's linear.
@@ -378,29 +401,39 @@ def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dty
 linear_cross_entropy_ex.register_implementation(head_loss, head_loss, grad_transform=_grad)
 
 
-# What the memory model cannot see: each op's chunks, as the eager path allocates them (the model-
-# dtype logits, their fp32 copy and the model-dtype gradient), its accumulator and, with the
-# gradients in the forward, the logits' gradient buffer. The compiled CUDA path holds less.
-def _chunk_bytes(hidden: TensorProxy, rows: int, columns: int) -> int:
-    return rows * columns * (2 * hidden.dtype.bytes + 4)
+# What the memory model cannot see: each op's chunks of logits (and of their gradient), its
+# accumulator and, with the gradients in the forward, the logits' gradient buffer that the logits
+# are written into. Eagerly (off CUDA) a chunk's math adds its temporaries.
+def _eager_temporaries(hidden: TensorProxy, rows: int, columns: int, *, gradient: bool) -> int:
+    """A chunk's fp32 copy and, for its gradient, the model-dtype result; none on CUDA, where the
+    math is one compiled kernel."""
+    if hidden.device.type == "cuda":
+        return 0
+    return rows * columns * (4 + (hidden.dtype.bytes if gradient else 0))
 
 
 def _forward_workspace(bsym) -> int:
     hidden, weight, chunk = bsym.args[0], bsym.args[1], bsym.args[6]
-    return _chunk_bytes(hidden, min(chunk, hidden.shape[0]), weight.shape[0])
+    rows, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
+    return rows * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, rows, vocab, gradient=False)
 
 
 def _with_gradients_workspace(bsym) -> int:
-    hidden, weight = bsym.args[0], bsym.args[1]
-    return hidden.shape[0] * weight.shape[0] * hidden.dtype.bytes + _forward_workspace(bsym)
+    hidden, weight, chunk = bsym.args[0], bsym.args[1], bsym.args[6]
+    (n, _), vocab = hidden.shape, weight.shape[0]
+    return n * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, min(chunk, n), vocab, gradient=True)
 
 
 def _backward_workspace(bsym) -> int:
     hidden, weight, chunk = bsym.args[1], bsym.args[2], bsym.args[8]
     (n, width), vocab = hidden.shape, weight.shape[0]
     if n < vocab:  # vocabulary chunks; the hidden states' gradient summed in fp32
-        return _chunk_bytes(hidden, n, max(1, chunk * vocab // n)) + n * width * (4 + 4 + hidden.dtype.bytes)
-    return _chunk_bytes(hidden, min(chunk, n), vocab) + vocab * width * (4 + 4 + hidden.dtype.bytes)
+        rows, columns, accumulator = n, max(1, chunk * vocab // n), n * width
+    else:
+        rows, columns, accumulator = min(chunk, n), vocab, vocab * width
+    logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes
+    return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, gradient=True)
+            + accumulator * (4 + 4 + hidden.dtype.bytes))
 
 
 WORKSPACE_BYTES.update({

@@ -5,8 +5,8 @@ LayerNorm, GELU or rotary embedding reads and writes a whole activation, and on 
 of a stablecode step. This executor claims the ops that ``thunder_memopt.ops.fusible_name`` admits
 (elementwise ops, casts, views, the norms' reductions, cat/pad, softmax and the cross-entropy's
 pieces) and never matmuls, attention, embeddings, random ops, collectives or in-place ops. Each
-maximal run of claimed ops becomes a region compiled by ``torch.compile`` (inductor), as Thunder's
-``torch_compile_ex`` does, with inductor's eager-numerics options (no elision of bf16/fp32 round
+maximal run of claimed ops becomes a region compiled by inductor, as by Thunder's ``torch_compile_ex``
+but without dynamo in the call, with inductor's eager-numerics options (no elision of bf16/fp32 round
 trips, correctly rounded division, no flushing of denormals), so that fused code rounds as close to
 ATen's one-op-at-a-time code as inductor can.
 
@@ -36,6 +36,7 @@ from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.executors.torch_compile import TorchCompileExecutor
 from thunder.executors.torchex import ex as pytorch_ex
+from thunder.executors.torchex import no_autocast
 from thunder.executors.utils import Region
 from thunder.extend import ImplInfo
 
@@ -64,19 +65,44 @@ class CompileStats:
 
 
 class _CompiledRegion:
-    """A region's ``torch.compile`` function; its first call, which compiles it, is timed."""
+    """A region's function, compiled by inductor at its first call for the strides (and non-tensor
+    values) of the inputs it gets, and called without dynamo.
+
+    ``torch.compile`` would evaluate dynamo's guards on every call: tens of microseconds a region,
+    which a step of a few hundred regions turns into idle GPU time. Here the only check is the
+    inputs' strides; shapes and dtypes are fixed by the region's key. The first call, which traces
+    the function with fake tensors (``make_fx``) and compiles the ATen graph (``compile_fx``, the
+    same AOTAutograd and inductor that ``torch.compile`` runs), is timed."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
         self.seconds: float | None = None
+        self._by_layout: dict[tuple, Callable] = {}
+        # Grad mode and autocast off while it runs, as torch_compile_ex runs its regions: both would
+        # change what is traced.
+        self._run = torch.no_grad()(no_autocast(self._run_compiled))
 
     def __call__(self, *args):
-        if self.seconds is not None:
-            return self.fn(*args)
+        return self._run(*args)
+
+    def _run_compiled(self, *args):
+        layout = tuple(a.stride() if isinstance(a, torch.Tensor) else ("value", a) for a in args)
+        compiled = self._by_layout.get(layout)
+        if compiled is not None:
+            return compiled(*args)
         start = time.perf_counter()
-        out = self.fn(*args)
-        self.seconds = time.perf_counter() - start
+        compiled = self._by_layout[layout] = _inductor_compiled(self.fn, args)
+        out = compiled(*args)
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - start
         return out
+
+
+def _inductor_compiled(fn: Callable, args: tuple) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(fn, tracing_mode="fake")(*args)
+    return compile_fx(graph, list(args), config_patches=EAGER_NUMERICS)
 
 
 # Compiled functions by their region's canonical ops and their inputs' metadata, so that every layer's
@@ -128,8 +154,9 @@ class InductorFusionExecutor(TorchCompileExecutor):
 
         ``label`` keeps symbols of different labels in different regions (each run is first ordered
         so that each label's symbols stand together); ``keep_outputs`` names, for a region's symbols,
-        outputs to return besides those read after it. Regions of views alone are left to the torch
-        executor."""
+        outputs to return besides those read after it. Runs that ATen does in one kernel (views and
+        at most one op that moves data) are left to the torch executor: inductor would gain nothing
+        there and cost a compilation."""
         start = time.perf_counter_ns()
         claimed = [self._claims(b) for b in trace.bound_symbols]
         bsyms = _grouped_by_label(trace.bound_symbols, claimed, label)
@@ -150,7 +177,7 @@ class InductorFusionExecutor(TorchCompileExecutor):
         fused: list[BoundSymbol] = []
         counter = 0
         for group in groups:
-            if not (id(group[0]) in claimed_ids and any(moves_data(b) for b in group)):
+            if not (id(group[0]) in claimed_ids and _kernels(group) >= 2):
                 fused.extend(group)
                 continue
             region = Region(producers, consumers, group)
@@ -195,6 +222,12 @@ class InductorFusionExecutor(TorchCompileExecutor):
 
         lowered = _transform_for_operator_executor_execution(trace, get_always_executors())
         return replace_bound_symbols(lowered, lowered.bound_symbols, "thunder_memopt fusion: regions rebuilt")
+
+
+def _kernels(group: Sequence[BoundSymbol]) -> int:
+    """How many kernels the torch executor would run for ``group``: one per op that moves data
+    (an op of the torch level is one ATen call, whatever prims it decomposes into)."""
+    return sum(1 for b in group if moves_data(b))
 
 
 def _op_name(op) -> str:
@@ -259,12 +292,8 @@ def _compiled(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Prox
     key = (_canonical(region, inputs, outputs), tuple(_metadata(a) for a in inputs))
     fn = _compiled_functions.get(key)
     if fn is None:
-        from thunder.executors.torchex import no_autocast
-
         source = _region_trace(region, inputs, outputs).python_callable(include_decorators=False)
-        compiled = torch.compile(source, fullgraph=True, dynamic=False, options=EAGER_NUMERICS)
-        # Outside the compiled function, as torch_compile_ex does: dynamo would guard on them.
-        fn = _compiled_functions[key] = _CompiledRegion(torch.no_grad()(no_autocast(compiled)))
+        fn = _compiled_functions[key] = _CompiledRegion(source)
     return fn
 
 

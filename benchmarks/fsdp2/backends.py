@@ -1,0 +1,228 @@
+"""The benchmark's backends, one registry entry each: its name, how to build it, its budgets and
+the row fields only it reads, which make its label.
+
+Every other part of the benchmark reads the backends from ``BACKENDS``: the command line's
+``--compile`` choices and budget flags, the worker's compilation, ``--resume``, the tables' order
+and labels, and ``gpu_suite.sh``, which lists them with ``python -m benchmarks.fsdp2.backends``.
+So a new backend is one entry here: a ``Backend`` whose ``compile`` turns the module to train into
+a ``Compiled``.
+
+Nothing here imports torch when the module is imported (the builders import it when they run): the
+tables and ``gpu_suite.sh`` read the registry without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
+
+    from benchmarks.fsdp2.trial import Trial
+
+# --fusion's values: thunder_memopt.executors(fusion=...).
+FUSION = {"on": True, "off": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+    """A backend's budget flag: each of its values is a row of its own (one trial each)."""
+
+    flag: str  # e.g. --memopt-budget; the values are in [0, 1]
+    default: tuple[float, ...]
+    help: str
+
+    @property
+    def dest(self) -> str:
+        """The flag's attribute on the parsed arguments."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A module made ready by a backend: what a step calls and what the optimizer updates, and the
+    Thunder objects whose details a row reports."""
+
+    forward: Callable  # (input_ids, targets) -> loss, or input_ids -> logits (--loss-mode other than in-graph)
+    parameters_owner: torch.nn.Module  # the optimizer takes its parameters
+    memopt: Any = None  # thunder+memopt's MemoryOptimization (its pass timings)
+    executors: list | None = None  # the Thunder executors, in claim order
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One backend: everything the benchmark needs to run it and to tell its rows apart."""
+
+    name: str
+    summary: str  # what runs, in one line
+    # (module, trial, device) -> Compiled. The module is sharded already under fsdp2; under
+    # thunder-fsdp (thunder backends only) the backend shards it.
+    compile: Callable[[torch.nn.Module, Trial, torch.device], Compiled]
+    before_sharding: Callable[[torch.nn.Module], None] | None = None  # applied to the GPT before fully_shard
+    budgets: Budgets | None = None
+    # The Trial options (trial.Compilation fields) that only this backend reads: --resume compares
+    # them for its rows alone, and its labels show them.
+    own_fields: tuple[str, ...] = ()
+    thunder: bool = False  # compiles with Thunder, so it can also run under thunder-fsdp
+
+
+def checkpoint_every_block(gpt: torch.nn.Module) -> None:
+    """Full activation checkpointing of each transformer Block (non-reentrant)."""
+    from litgpt.model import Block
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    apply_activation_checkpointing(gpt, check_fn=lambda module: isinstance(module, Block))
+
+
+def as_is(module: torch.nn.Module, trial: Trial, device: torch.device) -> Compiled:
+    return Compiled(module, module)
+
+
+def inductor(module: torch.nn.Module, trial: Trial, device: torch.device) -> Compiled:
+    import torch
+
+    return Compiled(torch.compile(module), module)
+
+
+def inductor_with_budget(module: torch.nn.Module, trial: Trial, device: torch.device) -> Compiled:
+    """torch.compile, every call under ``activation_memory_budget`` = the trial's budget: the
+    partitioner reads it when a call compiles a graph (and the budget stays out of other code)."""
+    import torch
+
+    compiled = torch.compile(module)
+    budget = trial.compilation.budget
+
+    def forward(*args: torch.Tensor) -> torch.Tensor:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compiled(*args)
+
+    return Compiled(forward, module)
+
+
+def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device, *, memopt_executors: bool,
+                     memory_optimization: bool) -> Compiled:
+    """Thunder with its default executors or thunder_memopt's (``memopt_executors``), with or
+    without ``MemoryOptimization``: ``torch.compile`` with Thunder as its backend under fsdp2 (FSDP2's
+    hooks need dynamo in front), ``thunder.distributed.fsdp`` of ``thunder.jit`` under thunder-fsdp,
+    ``thunder.jit`` on one device."""
+    import thunder
+    import torch
+
+    options = trial.compilation
+    if memopt_executors:
+        from thunder_memopt import executors as memopt_executors_of
+
+        executors = memopt_executors_of(fusion=FUSION[options.fusion])
+    else:
+        executors = list(thunder.get_default_executors())
+    memopt = None
+    if memory_optimization:
+        from thunder_memopt import MemoryOptimization
+
+        passes = {} if options.memopt_passes is None else {"passes": options.memopt_passes}
+        memopt = MemoryOptimization(activation_budget=options.budget, **passes)
+    transforms = [memopt] if memopt is not None else []
+    mode = trial.sharding.distributed_mode
+    if mode == "fsdp2":
+        if memopt is None:
+            from thunder.dynamo import ThunderCompiler
+
+            backend = ThunderCompiler(executors=executors)
+        else:
+            from thunder_memopt import thunderfx_backend
+
+            backend = thunderfx_backend(memopt, executors=executors)
+        return Compiled(torch.compile(module, backend=backend), module, memopt, executors)
+    jitted = thunder.jit(module, transforms=transforms, executors=executors)
+    if mode == "thunder-fsdp":
+        # thunder 0.2.6's fsdp takes the jitted module and adds its sharding transform.
+        from thunder.distributed import FSDPType, fsdp
+
+        strategy = FSDPType.ZERO3 if trial.sharding.shard_mode == "zero3" else FSDPType.ZERO2
+        sharded = fsdp(jitted, device=device, sharding_strategy=strategy)
+        return Compiled(sharded, sharded, memopt, executors)
+    return Compiled(jitted, module, memopt, executors)
+
+
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
+    Backend("eager", "the model as is", as_is),
+    Backend("eager-ac", "eager with full activation checkpointing of every Block (non-reentrant, before "
+                        "fully_shard): the memory floor", as_is, before_sharding=checkpoint_every_block),
+    Backend("inductor", "torch.compile(model)", inductor),
+    Backend("inductor-budget", "torch.compile with torch._functorch.config.activation_memory_budget = --inductor-budget",
+            inductor_with_budget,
+            budgets=Budgets("--inductor-budget", (0.5,),
+                            "torch._functorch.config.activation_memory_budget for inductor-budget (a row each)")),
+    Backend("thunder", "Thunder with its default executors", thunder=True,
+            compile=functools.partial(thunder_compiled, memopt_executors=False, memory_optimization=False)),
+    Backend("thunder+fusion", "Thunder with thunder_memopt.executors(fusion=--fusion), no MemoryOptimization",
+            thunder=True, own_fields=("fusion",),
+            compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=False)),
+    Backend("thunder+memopt", "the recommended configuration: thunder_memopt's executors and "
+                              "MemoryOptimization(activation_budget=--memopt-budget, passes=--memopt-passes)",
+            thunder=True, own_fields=("memopt_passes", "fusion"),
+            compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True),
+            budgets=Budgets("--memopt-budget", (1.0,),
+                            "MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")),
+)}
+
+# Every option some backend owns: a backend that does not own one ignores it.
+OPTION_FIELDS = tuple(dict.fromkeys(field for backend in BACKENDS.values() for field in backend.own_fields))
+
+
+def budgets_for(name: str, args: argparse.Namespace) -> list[float | None]:
+    """The budgets of backend ``name`` on this command line: a row each; [None] for a backend without."""
+    budgets = BACKENDS[name].budgets
+    return [None] if budgets is None else list(getattr(args, budgets.dest))
+
+
+def execution(row: Mapping[str, Any]) -> str | None:
+    """How a row of a backend that owns ``fusion`` executed, where it is not the current default
+    (the fusion executor on): ``fusion off``, or for thunder+memopt rows from before the executors,
+    which ran on Thunder's executors, ``fused replays`` or ``unfused replays`` (the fuse_replays
+    option; the first session's rows had none and ran unfused)."""
+    if "fusion" in row:
+        return None if row["fusion"] == "on" else "fusion off"
+    return "unfused replays" if row.get("fuse_replays", "off") == "off" else "fused replays"
+
+
+def _passes(row: Mapping[str, Any]) -> str | None:
+    passes = row.get("memopt_passes")
+    return "+".join(passes) if passes else None
+
+
+# How each option shows in a label, where it is not the default (None: nothing to show).
+OPTION_TAGS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {"memopt_passes": _passes, "fusion": execution}
+
+
+def tags(row: Mapping[str, Any]) -> tuple[str, ...]:
+    """What sets a row apart from its backend's default beyond the budget: the options it owns."""
+    return tuple(tag for field in BACKENDS[row["backend"]].own_fields if (tag := OPTION_TAGS[field](row)))
+
+
+def label(row: Mapping[str, Any]) -> str:
+    """A row's backend as the tables name it: ``thunder+memopt @0.5 [recompute] [fusion off]``."""
+    name = row["backend"] if row.get("budget") is None else f"{row['backend']} @{row['budget']:g}"
+    return name + "".join(f" [{tag}]" for tag in tags(row))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the backends' names, one a line, in the tables' order (gpu_suite.sh reads them)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp2.backends", description=main.__doc__)
+    parser.add_argument("--describe", action="store_true", help="each name with what it runs")
+    args = parser.parse_args(argv)
+    for backend in BACKENDS.values():
+        print(f"{backend.name}\t{backend.summary}" if args.describe else backend.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Peak memory and speed of one sharded training step, per compiler backend, on litgpt models.
+
+What it measures: over ``--warmup`` then ``--iters`` steps of forward, cross-entropy loss, backward
+and AdamW step, the peak allocated and reserved CUDA memory (rank 0 and the maximum over ranks), the
+median step time and tokens/s/GPU, the bytes saved for backward per layer, the first step's time
+(compilation), and the last step's loss; a row per (block size, backend, budget), each in fresh
+processes (``driver``). The backends are ``backends.BACKENDS``. Sharding: FSDP2 (``fully_shard``),
+Thunder's own FSDP, or none.
+
+The process you launch (``torchrun --nproc-per-node N benchmarks/benchmark_fsdp2.py ...``, or
+``python benchmarks/benchmark_fsdp2.py --nproc-per-node N ...``) is the driver; under torchrun the
+other ranks exit at once. Every bad flag is argparse's one-line error (exit 2) before any process
+starts. Exit codes: 0 done, 3 ``--time-limit`` reached (rerun with ``--resume``), 4 no row succeeded.
+
+Without a GPU it runs on CPU with gloo and a narrowed model (``--n-embd 256``), so CI can smoke-test
+it; the memory fields are then null (there is no CPU allocator peak to report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from benchmarks.fsdp2 import backends, driver, search
+from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, LOSS_MODES, SHARD_MODES, Compilation, Measurement, Numerics,
+                                    Sharding, Trial, Workload)
+from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_int
+from thunder_memopt.models import DTYPES, narrow_config
+from thunder_memopt.transform import PASSES
+
+GPU_DEFAULT_BLOCK_SIZE = 8192
+CPU_DEFAULT_BLOCK_SIZE = 256
+CPU_DEFAULT_N_EMBD = 256
+EXIT_INCOMPLETE = 3  # --time-limit stopped the run; rerun the same command with --resume
+EXIT_NO_ROW = 4  # every row failed (error, OOM or timeout)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """The command line, checked: a bad value is a usage error (exit 2) here, before any work."""
+    parser = argparse.ArgumentParser(prog="benchmark_fsdp2.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b",
+                       help="a litgpt config name")
+    model.add_argument("--n-layer", type=positive_int, default=8, help="transformer blocks")
+    model.add_argument("--n-embd", type=narrow_width, help="narrow to this width (vocabulary 512); if unset: "
+                       f"the real width on GPU, {CPU_DEFAULT_N_EMBD} on CPU")
+    model.add_argument("--block-size", type=positive_int, nargs="+", help="sequence length(s) T, a row each; if unset: "
+                       f"{GPU_DEFAULT_BLOCK_SIZE} on GPU, {CPU_DEFAULT_BLOCK_SIZE} on CPU")
+    model.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per rank and step")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameters and compute")
+    model.add_argument("--loss-mode", choices=LOSS_MODES, default="in-graph",
+                       help="in-graph: the cross-entropy inside the compiled module (default); after it, in eager, "
+                            "with the logits held through the step as a training loop holds them: litgpt "
+                            "(litgpt's chunked_cross_entropy) or outside-fp32 (cross_entropy of logits.float())")
+    model.add_argument("--autocast", action="store_true",
+                       help="bf16 torch.autocast over parameters kept in --dtype (which must then be fp32)")
+    model.add_argument("--seed", type=int, default=0, help="weights and batch (rank r's batch: seed + r)")
+
+    sharding = parser.add_argument_group("sharding")
+    sharding.add_argument("--distributed-mode", choices=DISTRIBUTED_MODES, default="fsdp2")
+    sharding.add_argument("--shard-mode", choices=SHARD_MODES, default="zero2",
+                          help="fsdp2: reshard_after_forward False/True; thunder-fsdp: FSDPType.ZERO2/ZERO3")
+    sharding.add_argument("--nproc-per-node", type=positive_int, default=1, help="ranks, when not launched by torchrun")
+
+    compilation = parser.add_argument_group("backends")
+    compilation.add_argument("--compile", nargs="+", choices=list(backends.BACKENDS),
+                             help="backends, a row each in fresh processes; "
+                                  "if unset: all (the thunder ones under thunder-fsdp)")
+    for backend in backends.BACKENDS.values():
+        if backend.budgets is not None:
+            compilation.add_argument(backend.budgets.flag, type=fraction, nargs="+",
+                                     default=list(backend.budgets.default), help=backend.budgets.help)
+    compilation.add_argument("--memopt-passes", nargs="+", default=None, choices=PASSES,
+                             help="MemoryOptimization(passes=...) for thunder+memopt (default: every pass)")
+    compilation.add_argument("--fusion", choices=sorted(backends.FUSION), default="on",
+                             help="thunder+fusion and thunder+memopt: thunder_memopt.executors(fusion=...); off runs "
+                                  "every op as plain Thunder does (bit-identical)")
+
+    measure = parser.add_argument_group("measurement")
+    measure.add_argument("--warmup", type=positive_int, default=2, help="steps before the peaks are reset (the first compiles)")
+    measure.add_argument("--iters", type=positive_int, default=5, help="measured steps")
+    measure.add_argument("--profile", action="store_true", help="torch.profiler summary of the measured steps")
+    measure.add_argument("--memory-snapshot", metavar="PATH",
+                         help="CUDA allocator snapshot of the measured steps (rank 0), one file per row")
+    measure.add_argument("--loss-rtol", type=float, default=0.02,
+                         help="losses further apart than this (relative) get a WARNING; 0.02 is a few bf16 epsilons")
+
+    search_group = parser.add_argument_group("longest sequence that fits")
+    search_group.add_argument("--find-max-block-size", action="store_true",
+                              help="per backend, double from the first --block-size, then narrow (aimed on a GPU)")
+    search_group.add_argument("--search-granularity", type=positive_int, default=1024, help="narrow down to this many tokens")
+    search_group.add_argument("--search-limit", type=positive_int, default=262144, help="largest block size probed")
+
+    output = parser.add_argument_group("output and running")
+    output.add_argument("--out", default="benchmark_fsdp2.jsonl", help="JSON lines file, appended to")
+    output.add_argument("--plot", help="PNG path (default: --out with .png), or 'none'")
+    output.add_argument("--log-dir", help="worker logs (default: --out with .logs)")
+    output.add_argument("--resume", action="store_true", help="take ok/OOM rows of identical trials from --out")
+    output.add_argument("--time-limit", type=float, help="minutes; start no trial that may not end in time")
+    output.add_argument("--trial-timeout", type=float, default=1800, help="seconds before a trial is stopped")
+
+    args = parser.parse_args(argv)
+    thunder_backends = [backend.name for backend in backends.BACKENDS.values() if backend.thunder]
+    if args.compile is None:
+        args.compile = thunder_backends if args.distributed_mode == "thunder-fsdp" else list(backends.BACKENDS)
+    if args.distributed_mode == "thunder-fsdp" and not set(args.compile) <= set(thunder_backends):
+        parser.error("thunder-fsdp shards inside thunder.jit: only the thunder backends can run under it")
+    if args.autocast and DTYPES[args.dtype] != DTYPES["fp32"]:
+        parser.error("--autocast casts to bf16 inside the step: keep the parameters in --dtype fp32")
+    return args, parser
+
+
+def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool) -> None:
+    """Defaults that depend on the machine: without a GPU, a narrowed model and a short sequence."""
+    if args.n_embd is None and not cuda:
+        args.n_embd = CPU_DEFAULT_N_EMBD
+    if args.block_size is None:
+        args.block_size = [GPU_DEFAULT_BLOCK_SIZE if cuda else CPU_DEFAULT_BLOCK_SIZE]
+    config = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd)
+    args.resolved_n_embd, args.vocab_size = config.n_embd, config.padded_vocab_size
+    if args.find_max_block_size and args.block_size[0] % args.search_granularity:
+        parser.error(f"--block-size {args.block_size[0]} (the search's start) must be a multiple of "
+                     "--search-granularity")
+
+
+def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
+    """The trial with the command line's settings; backend, budget and block size filled per row."""
+    return Trial(
+        workload=Workload(model=args.model_name, n_layer=args.n_layer, n_embd=args.resolved_n_embd,
+                          narrowed=args.n_embd is not None, block_size=args.block_size[0],
+                          micro_batch_size=args.micro_batch_size, seed=args.seed),
+        numerics=Numerics(dtype=str(DTYPES[args.dtype]).removeprefix("torch."), autocast=args.autocast,
+                          loss_mode=args.loss_mode),
+        sharding=Sharding(distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,
+                          world_size=1 if args.distributed_mode == "none" else world_size),
+        compilation=Compilation(backend=args.compile[0],
+                                memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
+                                fusion=args.fusion),
+        measurement=Measurement(warmup=args.warmup, iters=args.iters, profile=args.profile),
+    )
+
+
+def backend_trials(args: argparse.Namespace, template: Trial) -> list[Trial]:
+    """``template`` for every backend on the command line and each of its budgets."""
+    return [template.replace(backend=name, budget=budget)
+            for name in args.compile for budget in backends.budgets_for(name, args)]
+
+
+def snapshot_path(base: str | None, trial: Trial) -> str | None:
+    """One memory snapshot file per row: the backend, budget and block size go into the name."""
+    if base is None:
+        return None
+    path = Path(base)
+    budget = "" if trial.compilation.budget is None else f"-{trial.compilation.budget:g}"
+    name = f"{path.stem}.{trial.compilation.backend}{budget}.T{trial.workload.block_size}{path.suffix or '.pickle'}"
+    return str(path.with_name(name))
+
+
+def sweep_trials(args: argparse.Namespace, template: Trial) -> list[Trial]:
+    """Every block size, backend and budget of the command line, in that nesting."""
+    trials = []
+    for block_size in args.block_size:
+        for trial in backend_trials(args, template.replace(block_size=block_size)):
+            trials.append(trial.replace(memory_snapshot=snapshot_path(args.memory_snapshot, trial)))
+    return trials
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, parser = parse_args(argv)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun, rank 0 drives; the trials start their own ranks
+    world_size = int(os.environ.get("WORLD_SIZE", args.nproc_per_node))
+    environment = driver.describe_environment()
+    resolve_defaults(args, parser, environment["cuda"])
+    out = Path(args.out)
+    settings = driver.DriverSettings(out=out, log_dir=Path(args.log_dir) if args.log_dir else out.with_suffix(".logs"),
+                                     resume=args.resume, time_limit_min=args.time_limit,
+                                     trial_timeout_s=args.trial_timeout)
+    runner = driver.Driver(settings, {**environment, "vocab_size": args.vocab_size})
+    template = trial_template(args, world_size)
+    plot_path = None if args.plot == "none" else Path(args.plot) if args.plot else out.with_suffix(".png")
+    print(f"{len(args.compile)} backend(s) on {template.sharding.world_size} x {environment['gpu']}; rows to {out}, "
+          f"logs in {settings.log_dir}", flush=True)
+    try:
+        if args.find_max_block_size:
+            search_settings = search.SearchSettings(start=args.block_size[0], granularity=args.search_granularity,
+                                                    limit=args.search_limit)
+            search.search(runner, search_settings, backend_trials(args, template))
+        else:
+            driver.sweep(runner, sweep_trials(args, template))
+    except driver.TimeLimitReached:
+        driver.report(runner.rows, plot_path, args.loss_rtol)
+        print(f"--time-limit of {args.time_limit:g} min reached: rerun the same command with --resume to continue",
+              flush=True)
+        return EXIT_INCOMPLETE
+    driver.report(runner.rows, plot_path, args.loss_rtol)
+    print(f"done: {len(runner.rows)} rows in {out}", flush=True)
+    if not any(row.get("status") == "ok" for row in runner.rows):
+        print("no row succeeded", file=sys.stderr, flush=True)
+        return EXIT_NO_ROW
+    return 0

@@ -1,0 +1,82 @@
+"""What ``--profile`` and ``--memory-snapshot`` record of a worker's measured steps.
+
+``--profile``: torch.profiler over the measured steps, summarized for the row: the top kernels by
+GPU time, the top ops by self CPU time, the time in ATen's copy kernels (the casts and layout copies
+that fusion removes), and how busy the GPU was. ``--memory-snapshot``: the CUDA allocator's history
+of the measured steps, for <https://pytorch.org/memory_viz>.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from benchmarks.fsdp2.trial import KERNEL_NAME_CHARS
+
+TOP_OPS = 10  # kernels and CPU ops a row keeps
+PRINTED_OPS = 25  # rows of the profiler's table printed to the worker's log
+COPY_KERNEL = "copy_kernel"  # in the names of ATen's copy kernels: direct_copy_kernel_cuda, bfloat16_copy_kernel_cuda
+MEMORY_HISTORY_ENTRIES = 100_000
+
+
+def profiler_for(profile: bool, device: torch.device) -> contextlib.AbstractContextManager:
+    """A torch.profiler over CPU (and CUDA on a GPU) when ``profile``, else a context that yields None."""
+    if not profile:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals (kernels on several streams)."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
+
+
+def print_table(profiler: torch.profiler.profile) -> None:
+    """The profiler's own table of ops by self CPU time, for the worker's log."""
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=PRINTED_OPS), flush=True)
+
+
+def profile_summary(profiler: torch.profiler.profile, wall_s: float) -> dict:
+    """Top kernels by GPU time, top ops by self CPU time ([name, ms, calls] over the measured
+    steps), the copy kernels' time and calls, and the GPU busy fraction (None without kernels)."""
+    from torch.autograd import DeviceType
+
+    def top(events: list, microseconds: Callable) -> list:
+        ranked = sorted(events, key=microseconds, reverse=True)[:TOP_OPS]
+        return [[e.key[:KERNEL_NAME_CHARS], microseconds(e) / 1e3, e.count] for e in ranked]
+
+    averages = profiler.key_averages()
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA]
+    kernel_spans = [(e.time_range.start, e.time_range.end) for e in profiler.events()
+                    if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    return {
+        "top_gpu_ms": top(kernels, lambda e: e.device_time_total),
+        "copy_kernel_ms": sum(e.device_time_total for e in kernels if COPY_KERNEL in e.key) / 1e3,
+        "copy_kernel_calls": sum(e.count for e in kernels if COPY_KERNEL in e.key),
+        "top_cpu_ms": top([e for e in averages if e.device_type == DeviceType.CPU], lambda e: e.self_cpu_time_total),
+        "gpu_busy_fraction": union_length(kernel_spans) / (wall_s * 1e6) if kernel_spans else None,
+    }
+
+
+@contextlib.contextmanager
+def recording_memory_history(path: str | None, device: torch.device) -> Iterator[None]:
+    """Record the CUDA allocator's history and dump a snapshot to ``path`` (nothing without a path or GPU)."""
+    if path is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)

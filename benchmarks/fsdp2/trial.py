@@ -1,0 +1,227 @@
+"""The benchmark's row schema: what one trial runs, what it measures, and how a row reads back.
+
+A row of ``--out`` is one flat JSON object: the trial's fields (``Trial.key``), the driver's context
+(where, when, by which command), and the worker's measurements (``PeakMemory``, ``StepTimes``,
+``SavedActivations``, the profile). Rows stay flat so that every committed
+``benchmarks/results/*.jsonl`` keeps reading, and the tables and ``--resume`` read fields added since
+a row was written as the value rows had before (``field_value``). In memory a trial is grouped by
+what each part decides, so that no function takes 22 loose fields: the workload, its numerics, the
+sharding, the compilation and the measurement.
+
+Nothing here imports torch: the tables read rows without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
+DISTRIBUTED_MODES = ("fsdp2", "thunder-fsdp", "none")
+SHARD_MODES = ("zero2", "zero3")
+# row_type: a measured run (a --find-max-block-size probe too), or a search's summary.
+RUN_ROW = "run"
+SEARCH_ROW = "max_block_size"
+# Statuses that measuring again would not change: --resume takes such rows from --out, and a search
+# probe that ends otherwise stops its search.
+FINAL_STATUSES = ("ok", "OOM")
+# Fields added later: rows written before them had these values.
+FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph"}
+# The profiler's kernel names run to hundreds of characters of templates: a row keeps this many.
+KERNEL_NAME_CHARS = 90
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is trained: the model, its width, the sequence and the batch."""
+
+    model: str  # a litgpt config name
+    n_layer: int
+    n_embd: int  # the width built
+    narrowed: bool  # n_embd came from --n-embd (narrow_config then also shrinks the vocabulary)
+    block_size: int
+    micro_batch_size: int
+    seed: int  # weights and batch (rank r's batch: seed + r)
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """How the step computes: the parameters' dtype, autocast over them, and where the loss runs."""
+
+    dtype: str  # torch's name: bfloat16, float16, float32
+    autocast: bool = False  # bf16 torch.autocast over parameters kept in ``dtype``
+    loss_mode: str = "in-graph"  # one of LOSS_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    distributed_mode: str  # one of DISTRIBUTED_MODES
+    shard_mode: str  # one of SHARD_MODES
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Compilation:
+    """The backend (a name in backends.BACKENDS) and its options. A backend reads only the options
+    it owns (``Backend.own_fields``); the others are carried as the command line gave them."""
+
+    backend: str
+    budget: float | None = None  # the value of the backend's budget flag, for backends that have one
+    memopt_passes: tuple[str, ...] | None = None  # thunder+memopt: MemoryOptimization(passes=...); None: all
+    fusion: str = "on"  # thunder_memopt.executors(fusion=...): on or off (backends.FUSION)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """How many steps are timed, and what else is recorded about them."""
+
+    warmup: int
+    iters: int
+    search: bool = False  # a --find-max-block-size probe: only whether it fits matters
+    profile: bool = False
+    memory_snapshot: str | None = None  # rank 0's allocator snapshot goes to this path
+
+
+# Fields that record more about a measurement without changing it: not part of a row's key (a row's
+# "profile" and "memory_snapshot" hold what they produced).
+DIAGNOSTICS_FIELDS = ("profile", "memory_snapshot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One training run in one fresh set of processes: everything a worker needs to know."""
+
+    workload: Workload
+    numerics: Numerics
+    sharding: Sharding
+    compilation: Compilation
+    measurement: Measurement
+
+    def fields(self) -> dict[str, Any]:
+        """Every field, flat, by the names rows use (the worker's trial file)."""
+        return {name: value for group in _groups(self) for name, value in dataclasses.asdict(group).items()}
+
+    def key(self) -> dict[str, Any]:
+        """The fields that make two runs the same measurement, as a row holds them."""
+        return {name: value for name, value in self.fields().items() if name not in DIAGNOSTICS_FIELDS}
+
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any]) -> Trial:
+        """The trial that ``values`` (``fields()``, or a row) describes. A field missing from it takes
+        FIELD_DEFAULTS's value, else its default: rows written before the field existed. Other keys
+        (a row's context and measurements) are ignored. So thunder+memopt rows from before
+        thunder_memopt's executors read as ``fusion="on"``, which they did not run: --resume compares
+        rows themselves (``driver.same_measurement``), which tells them apart."""
+        groups = {}
+        for group_name, group_type in _GROUP_TYPES.items():
+            given = {}
+            for field in dataclasses.fields(group_type):
+                if field.name in values:
+                    given[field.name] = values[field.name]
+                elif field.name in FIELD_DEFAULTS:
+                    given[field.name] = FIELD_DEFAULTS[field.name]
+            if given.get("memopt_passes") is not None:
+                given["memopt_passes"] = tuple(given["memopt_passes"])  # a JSON list
+            groups[group_name] = group_type(**given)
+        return cls(**groups)
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Trial:
+        """The trial a row measured (its diagnostics off: a row's profile is the profiler's summary)."""
+        return cls.from_fields({name: value for name, value in row.items() if name not in DIAGNOSTICS_FIELDS})
+
+    def replace(self, **changes: Any) -> Trial:
+        """This trial with the named fields (flat names, as in a row) changed."""
+        by_group: dict[str, dict[str, Any]] = {}
+        for name, value in changes.items():
+            if name not in _GROUP_OF:
+                raise TypeError(f"Trial has no field {name!r}")
+            by_group.setdefault(_GROUP_OF[name], {})[name] = value
+        return dataclasses.replace(self, **{group: dataclasses.replace(getattr(self, group), **fields)
+                                            for group, fields in by_group.items()})
+
+    def describe(self) -> str:
+        """One line for the progress output: the backend with its options, the block size and setup."""
+        from benchmarks.fsdp2.backends import BACKENDS
+
+        compilation, numerics, workload = self.compilation, self.numerics, self.workload
+        own = BACKENDS[compilation.backend].own_fields
+        options = "" if compilation.budget is None else f" budget={compilation.budget:g}"
+        if "memopt_passes" in own and compilation.memopt_passes is not None:
+            options += f" passes={'+'.join(compilation.memopt_passes)}"
+        if "fusion" in own and compilation.fusion != "on":
+            options += f" fusion={compilation.fusion}"
+        if numerics.autocast:
+            options += " autocast"
+        if numerics.loss_mode != "in-graph":
+            options += f" loss={numerics.loss_mode}"
+        return (f"{compilation.backend}{options} T={workload.block_size} ({workload.model}, {workload.n_layer} layers, "
+                f"{sharding_of(self.key())}, world size {self.sharding.world_size})")
+
+
+def _groups(trial: Trial) -> tuple:
+    return tuple(getattr(trial, name) for name in _GROUP_TYPES)
+
+
+_GROUP_TYPES: dict[str, type] = typing.get_type_hints(Trial)
+_GROUP_OF = {field.name: group for group, group_type in _GROUP_TYPES.items() for field in dataclasses.fields(group_type)}
+
+
+# What a worker measured: each record's fields are row fields.
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakMemory:
+    """Peak allocated and reserved CUDA memory over the measured steps, rank 0's and the maximum
+    over ranks, in bytes; None on CPU, where there is no allocator peak to report."""
+
+    peak_alloc_rank0: int | None = None
+    peak_reserved_rank0: int | None = None
+    peak_alloc_max: int | None = None
+    peak_reserved_max: int | None = None
+
+
+MEMORY_FIELDS = tuple(field.name for field in dataclasses.fields(PeakMemory))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """The measured steps' times (rank 0, synchronized) and the last step's loss."""
+
+    step_ms: float  # the median
+    step_ms_all: list[float]
+    tokens_per_s_per_gpu: float
+    first_step_s: float  # includes compilation
+    compile_s: float  # first step less the median step
+    loss: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedActivations:
+    """Bytes saved for backward by one more forward: storages once, parameters excluded, whole model."""
+
+    saved_bytes_per_layer: float
+    saved_storages: int
+    saved_h_bytes: float  # bytes / (tokens x n_embd x n_layer)
+
+
+def field_value(row: Mapping[str, Any], field: str) -> Any:
+    """``row[field]``, or for a row written before the field existed, the value it then had."""
+    return row.get(field, FIELD_DEFAULTS.get(field))
+
+
+def sharding_of(row: Mapping[str, Any]) -> str:
+    mode = row["distributed_mode"]
+    return mode if mode == "none" else f"{mode} {row['shard_mode']}"
+
+
+def load_rows(paths: Iterable[Path]) -> list[dict]:
+    """Every row of the JSON lines files, in order."""
+    rows = []
+    for path in paths:
+        rows.extend(json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+    return rows

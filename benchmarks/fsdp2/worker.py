@@ -1,0 +1,377 @@
+"""One trial on every rank of a fresh torchrun: build the model, shard it, compile it with the
+trial's backend, train ``warmup`` + ``iters`` steps and measure them.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m benchmarks.fsdp2.worker TRIAL_JSON
+
+The driver writes TRIAL_JSON (``Trial.fields()``) and launches this in fresh processes, so that no
+compiled code, allocator cache or peak statistic of another trial reaches this one. Rank 0 writes
+the measurements to ``result.json`` next to the trial file; a rank that fails writes its status
+(``OOM`` or ``error``), message and phase to ``rank<N>.json`` and exits at once, since its peers may
+be waiting in a collective that would never end (torchrun then stops them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.fsdp2 import profiling
+from benchmarks.fsdp2.backends import BACKENDS
+from benchmarks.fsdp2.trial import PeakMemory, SavedActivations, StepTimes, Trial
+from thunder_memopt.models import (DTYPES, GPTWithLoss, build_model, narrow_config, next_token_loss, random_batch,
+                                   training_step)
+
+# Small, so that a handful of steps moves every backend's weights alike and the losses stay comparable.
+LEARNING_RATE = 1e-4
+ERROR_MESSAGE_CHARS = 2000  # compile errors quote whole commands; the log has the rest
+RESULT_FILE = "result.json"
+FAILURE_FILES = "rank*.json"  # rank<N>.json
+
+
+def failure_file(rank: int) -> str:
+    return f"rank{rank}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """A model made ready for one backend and sharding: what a step calls and what it updates."""
+
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, targets) -> loss
+    parameters_owner: torch.nn.Module
+    fsdp_root: torch.nn.Module | None  # the fully_shard root under fsdp2
+    reshard_after_forward: bool
+    autocast_device: str | None = None  # bf16 autocast on this device type around the forward
+    memopt: object = None  # the MemoryOptimization instance of thunder+memopt (its pass timings)
+    executors: list | None = None  # the Thunder executors, for the thunder backends
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training step's forward: under bf16 autocast with --autocast."""
+        if self.autocast_device is None:
+            return self.forward(input_ids, targets)
+        with torch.autocast(self.autocast_device, dtype=torch.bfloat16):
+            return self.forward(input_ids, targets)
+
+    @contextlib.contextmanager
+    def forward_parameters(self) -> Iterator[list[torch.Tensor]]:
+        """The parameters as a forward sees them, in storages that stay put during the forward.
+
+        measure_saved tells parameters from activations by storage address. FSDP2 all-gathers each
+        module's parameters into storages that it frees after that module's forward (zero3), where
+        activations can then be allocated; so all are gathered up front and kept for the forward.
+        """
+        if self.fsdp_root is None:
+            yield list(self.parameters_owner.parameters())
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        self.fsdp_root.set_reshard_after_forward(False)
+        for module in self.fsdp_root.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+        try:
+            yield list(self.fsdp_root.parameters())
+        finally:
+            self.fsdp_root.set_reshard_after_forward(self.reshard_after_forward)
+
+
+class HeadWithLoss(torch.nn.Module):
+    """GPTWithLoss with the head moved out of the GPT's forward, next to the loss.
+
+    Under torch.compile every FSDP2 unit (each Block) breaks the graph, and a graph break inside a
+    call splits its caller's frame too: the head would end the GPT's last graph and the loss start
+    another, and no compiler could fuse the two. Here they are one graph, for every backend alike.
+    (Only without final soft-capping, which litgpt applies after its head.)
+    """
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = gpt.lm_head
+        gpt.lm_head = torch.nn.Identity()
+        self.gpt = gpt
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.head(self.gpt(input_ids)), targets)
+
+
+def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) -> None:
+    """fully_shard each Block of ``gpt`` and its embedding, then ``root`` (``gpt``, or GPTWithLoss
+    around it for the in-graph loss), whose unit holds the final norm, the head and the loss.
+
+    The head and the loss share the root's unit so that they compile in one graph (each FSDP2 unit
+    is a graph of its own under torch.compile), where a compiler can fuse the head with its
+    cross-entropy (thunder_memopt's loss_head pass). Under zero2 this leaves the peak as it was:
+    every unit stays gathered from its forward to its backward, and the head's forward and backward
+    sit on either side of the peak.
+
+    The model is built in ``trial.numerics.dtype``, and the policy computes and reduces in that
+    dtype, which for bf16 makes it a no-op cast (the reference numbers: bf16 model +
+    MixedPrecisionPolicy(bf16)). Under ``--autocast`` the policy casts nothing: the parameters are
+    gathered in their own dtype and autocast's casts of them run inside the compiled graphs.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = DTYPES[trial.numerics.dtype]
+    policy = (MixedPrecisionPolicy() if trial.numerics.autocast
+              else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype))
+    options = {"mp_policy": policy, "reshard_after_forward": trial.sharding.shard_mode == "zero3"}
+    for block in gpt.transformer.h:
+        fully_shard(block, **options)
+    fully_shard(gpt.transformer.wte, **options)
+    fully_shard(root, **options)
+
+
+def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -> Training:
+    """``gpt`` with its loss, sharded by ``trial.sharding`` and compiled by ``trial``'s backend."""
+    backend = BACKENDS[trial.compilation.backend]
+    distributed_mode, loss_mode = trial.sharding.distributed_mode, trial.numerics.loss_mode
+    if backend.before_sharding is not None:
+        backend.before_sharding(gpt)  # before fully_shard, so FSDP2 wraps what it changed
+    if loss_mode != "in-graph":
+        module = gpt
+    elif distributed_mode == "fsdp2" and gpt.config.final_logit_softcapping is None:
+        module = HeadWithLoss(gpt)
+    else:
+        module = GPTWithLoss(gpt)
+    if distributed_mode == "fsdp2":
+        shard_with_fsdp2(gpt, module, trial)
+    compiled = backend.compile(module, trial, device)
+    return Training(with_loss(compiled.forward, loss_mode), compiled.parameters_owner,
+                    fsdp_root=module if distributed_mode == "fsdp2" else None,
+                    reshard_after_forward=trial.sharding.shard_mode == "zero3",
+                    autocast_device=device.type if trial.numerics.autocast else None,
+                    memopt=compiled.memopt, executors=compiled.executors)
+
+
+def with_loss(compiled: Callable, loss_mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(input_ids, targets) -> loss. ``in-graph``: ``compiled`` is GPTWithLoss and returns the loss.
+    Otherwise ``compiled`` returns the logits and the loss is computed after it, in eager, as a
+    litgpt training loop does; the logits stay alive until the loss is dropped, as the loop's
+    variable does through backward and the optimizer step."""
+    if loss_mode == "in-graph":
+        return compiled
+    from litgpt.utils import chunked_cross_entropy
+
+    def forward(input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = compiled(input_ids)
+        if loss_mode == "litgpt":
+            value = chunked_cross_entropy(logits, targets)
+        else:  # outside-fp32
+            value = next_token_loss(logits, targets, upcast_logits=True)
+        value.logits = logits
+        return value
+
+    return forward
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+    synchronize(device)
+    start = time.perf_counter()
+    loss = step()
+    synchronize(device)
+    return loss, time.perf_counter() - start
+
+
+def peak_memory(device: torch.device) -> PeakMemory:
+    """Peak allocated/reserved bytes of this rank (rank 0's row) and their maximum over ranks."""
+    if device.type != "cuda":
+        return PeakMemory()
+    local = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
+    peaks = torch.tensor(local, dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return PeakMemory(*local, *peaks.tolist())
+
+
+def reservable_bytes(device: torch.device) -> int | None:
+    """The most PyTorch's allocator could hold on any rank: free device memory plus what it holds,
+    so the CUDA context and NCCL's buffers are left out. The minimum over ranks."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    reservable = torch.tensor([free + torch.cuda.memory_reserved(device)], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(reservable, op=dist.ReduceOp.MIN)
+    return int(reservable.item())
+
+
+class TrainingSession:
+    """The model, optimizer and batch of one trial on one rank."""
+
+    def __init__(self, trial: Trial, device: torch.device, rank: int) -> None:
+        self.trial, self.device, self.rank = trial, device, rank
+        workload = trial.workload
+        self.config = narrow_config(workload.model, n_layer=workload.n_layer,
+                                    n_embd=workload.n_embd if workload.narrowed else None,
+                                    block_size=workload.block_size)
+        gpt = build_model(self.config, dtype=DTYPES[trial.numerics.dtype], device=device, seed=workload.seed)
+        self.training = prepare_training(gpt, trial, device)
+        self.optimizer = torch.optim.AdamW(self.training.parameters_owner.parameters(), lr=LEARNING_RATE)
+        if device.type == "cuda":
+            # build_model makes fp32 weights and then casts them: give that cache back, so that reserved
+            # memory shows what training needs.
+            torch.cuda.empty_cache()
+        # Same seed in every backend: same weights and batch, so the losses must agree.
+        self.input_ids, self.targets = random_batch(self.config, batch_size=workload.micro_batch_size,
+                                                    seq_len=workload.block_size, device=device,
+                                                    seed=workload.seed + rank)
+
+    def run_steps(self) -> dict:
+        """Warm-up steps (the first compiles), then the measured steps: their peaks, times and loss."""
+        measurement, device = self.trial.measurement, self.device
+        step = functools.partial(training_step, self.training.loss, self.optimizer, self.input_ids, self.targets)
+        _, first_step_s = timed(step, device)  # includes compilation
+        for _ in range(measurement.warmup - 1):
+            timed(step, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        snapshot = measurement.memory_snapshot if self.rank == 0 else None
+        step_seconds = []
+        with (profiling.recording_memory_history(snapshot, device),
+              profiling.profiler_for(measurement.profile, device) as profiler):
+            for _ in range(measurement.iters):
+                loss, seconds = timed(step, device)
+                step_seconds.append(seconds)
+        median_s = statistics.median(step_seconds)
+        tokens = self.trial.workload.micro_batch_size * self.trial.workload.block_size
+        times = StepTimes(step_ms=median_s * 1e3, step_ms_all=[s * 1e3 for s in step_seconds],
+                          tokens_per_s_per_gpu=tokens / median_s, first_step_s=first_step_s,
+                          compile_s=first_step_s - median_s, loss=loss.item())
+        result = {**dataclasses.asdict(peak_memory(device)), "reservable_bytes": reservable_bytes(device),
+                  **dataclasses.asdict(times)}
+        if profiler is not None:
+            profiling.print_table(profiler)
+            result["profile"] = profiling.profile_summary(profiler, sum(step_seconds))
+        if snapshot is not None and device.type == "cuda":
+            result["memory_snapshot"] = snapshot
+        return result
+
+    def measure_saved_activations(self) -> SavedActivations:
+        """Bytes saved for backward by one more forward (storages, parameters excluded), per layer.
+
+        It covers the whole model, embedding, head and loss included. Block inputs that a checkpoint
+        wrapper holds (eager-ac) are invisible to saved-tensor hooks; under thunder-fsdp zero2 the
+        all-gathered weights saved for backward are counted as activations.
+        """
+        from thunder_memopt.measure import measure_saved
+
+        with self.training.forward_parameters() as parameters:
+            saved = measure_saved(self.training.forward, self.input_ids, self.targets, parameters=parameters)
+            saved.output.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_layer = self.config.n_layer
+        tokens = self.trial.workload.micro_batch_size * self.trial.workload.block_size
+        return SavedActivations(saved_bytes_per_layer=saved.activation_bytes / n_layer, saved_storages=saved.n_storages,
+                                saved_h_bytes=saved.activation_bytes / (tokens * self.config.n_embd * n_layer))
+
+
+def init_distributed(trial: Trial) -> tuple[int, torch.device]:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if trial.sharding.distributed_mode == "none":
+        return 0, device
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), device
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    # Fusers and collectives can re-raise an allocator failure as a RuntimeError.
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))
+
+
+@contextlib.contextmanager
+def reporting_failure(out_dir: Path, rank: int, phase: str) -> Iterator[None]:
+    """On an exception, write this rank's status for the driver and exit at once.
+
+    A rank that failed mid-collective cannot tear the process group down (its peers wait in the
+    collective), so it leaves with os._exit; torchrun then stops the other ranks.
+    """
+    try:
+        yield
+    except Exception as error:
+        traceback.print_exc()
+        status = "OOM" if is_out_of_memory(error) else "error"
+        message = f"{type(error).__name__}: {error}"[:ERROR_MESSAGE_CHARS]
+        write_json(out_dir / failure_file(rank), {"status": status, "error": message, "phase": phase})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def recording_memopt_warnings() -> list[str]:
+    """A list that collects the distinct warnings thunder_memopt issues (e.g. a pass left a trace as it was)."""
+    messages: list[str] = []
+    show = warnings.showwarning
+
+    def show_and_record(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text.startswith("thunder_memopt") and text not in messages:
+            messages.append(text)
+        show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show_and_record
+    return messages
+
+
+def run(trial_file: Path) -> int:
+    """Run the trial in ``trial_file``; rank 0 writes result.json next to it, failing ranks rank<N>.json."""
+    trial = Trial.from_fields(json.loads(trial_file.read_text()))
+    out_dir = trial_file.parent
+    rank, device = init_distributed(trial)
+    memopt_warnings = recording_memopt_warnings()
+    with reporting_failure(out_dir, rank, phase="train"):
+        session = TrainingSession(trial, device, rank)
+        result = {"status": "ok", **session.run_steps()}
+    training = session.training
+    if training.memopt is not None:
+        result["memopt_warnings"] = memopt_warnings
+        result["memopt_pass_s"] = training.memopt.pass_seconds
+    if training.executors is not None:
+        result["executors"] = [ex.name for ex in training.executors]
+    if "fusion" in BACKENDS[trial.compilation.backend].own_fields:  # runs thunder_memopt's executors
+        from thunder_memopt.executors import compile_stats
+
+        stats = compile_stats()
+        result["fusion_functions"], result["fusion_compile_s"] = stats.functions, stats.compile_seconds
+    if rank == 0:
+        write_json(out_dir / RESULT_FILE, result)  # kept if the measurement below fails
+    if not trial.measurement.search:
+        with reporting_failure(out_dir, rank, phase="saved-activations"):
+            result.update(dataclasses.asdict(session.measure_saved_activations()))
+        if rank == 0:
+            write_json(out_dir / RESULT_FILE, result)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(Path(sys.argv[1])))
