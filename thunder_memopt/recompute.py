@@ -49,7 +49,7 @@ from thunder_memopt.memory import (
     tensor_outs,
     trace_inputs,
 )
-from thunder_memopt.ops import OpKind, op_kind, op_names
+from thunder_memopt.ops import OpKind, moves_data, op_kind, op_names
 
 __all__ = [
     "RecomputePlan",
@@ -223,6 +223,35 @@ def _closure(g: _ForwardGraph, saved: set[str], replayable: Sequence[bool]) -> t
             continue
         replay.add(i)
         stack.extend(a.name for a in tensor_args(g.bsyms[i]))
+    return _bases_saved_for_views(g, saved, replay, replayable)
+
+
+def _bases_saved_for_views(
+    g: _ForwardGraph, saved: set[str], replay: set[int], replayable: Sequence[bool]
+) -> tuple[set[str], set[int]]:
+    """Save what a saved view looks into, and replay the view: the same storage, so the same bytes
+    (a parameter's broadcast costs nothing either way). A fusion region is split where replayed ops
+    meet ops that are not, and a view kept out of the replays, such as a norm weight's broadcast
+    between the normalization and its scale, split the norm in two."""
+    def replayable_view(name: str) -> bool:
+        i = g.producer.get(name)
+        if i is None or not replayable[i] or moves_data(g.bsyms[i]):
+            return False
+        storage = g.infos[name].storage  # a reshape may copy: then its input can cost more
+        return all(g.infos[a.name].storage == storage or g.cost[a.name] == 0 for a in tensor_args(g.bsyms[i]))
+
+    views = [name for name in saved if replayable_view(name)]
+    while views:
+        i = g.producer[views.pop()]
+        saved.difference_update(o.name for o in tensor_outs(g.bsyms[i]))
+        replay.add(i)
+        for a in tensor_args(g.bsyms[i]):
+            if g.producer.get(a.name) in replay:
+                continue
+            if replayable_view(a.name):
+                views.append(a.name)
+            else:
+                saved.add(a.name)
     return saved, replay
 
 

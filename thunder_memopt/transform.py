@@ -292,7 +292,7 @@ def _fuse_forward(
         read = set(plan.key) | {a.name for b in plan.recompute if id(b) not in inside for a in tensor_args(b)}
         return [o for b in group if is_replayed(b) for o in tensor_outs(b) if o.name in read]
 
-    grouped = fusion.fusion_pass(strip_deletions(forward), label=is_replayed, keep_outputs=backward_reads)
+    grouped = fusion.fusion_pass(strip_deletions(forward), apart=is_replayed, keep_outputs=backward_reads)
     # Taken before the rest is lowered: lowering may drop a replayed view from the forward (a
     # ``shallow_copy`` becomes its input), which the backward still replays.
     replays = [b for b in grouped.bound_symbols if tensor_outs(b) and all(o.name in replayed for o in tensor_outs(b))]

@@ -57,7 +57,7 @@ def main() -> int:
         print("needs a GPU")
         return 2
     for key, value in args.inductor:
-        torch._inductor.config.__setattr__(key, value)
+        setattr(torch._inductor.config, key, value)
     config = narrow_config(args.model_name, n_layer=args.n_layer, block_size=args.block_size)
     model = GPTWithLoss(build_model(config, device="cuda"))
     x, y = random_batch(config, batch_size=1, seq_len=args.block_size, device="cuda")

@@ -18,13 +18,14 @@ from thunder.core.proxies import TensorProxy
 from thunder_memopt import MemoryOptimization
 from thunder_memopt.arguments import positive_int
 from thunder_memopt.executors import InductorFusionExecutor, linear_cross_entropy_ex
+from thunder_memopt.memory import tensor_nbytes
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 
 MIB = 2**20
 
 
 def tensor_bytes(proxies) -> int:
-    return sum(int(p.numel) * p.dtype.bytes for p in proxies if isinstance(p, TensorProxy))
+    return sum(tensor_nbytes(p) for p in proxies if isinstance(p, TensorProxy))
 
 
 def main() -> None:

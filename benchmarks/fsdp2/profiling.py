@@ -9,16 +9,25 @@ of the measured steps, for <https://pytorch.org/memory_viz>.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from benchmarks.fsdp2.trial import KERNEL_NAME_CHARS
 
 TOP_OPS = 10  # kernels and CPU ops a row keeps
-PRINTED_OPS = 25  # rows of the profiler's table printed to the worker's log
+PRINTED_OPS = 25  # rows of the profiler's table by CPU time printed to the worker's log
+PRINTED_KERNELS = 80  # rows of its table by GPU time
 COPY_KERNEL = "copy_kernel"  # in the names of ATen's copy kernels: direct_copy_kernel_cuda, bfloat16_copy_kernel_cuda
 MEMORY_HISTORY_ENTRIES = 100_000
+# What a step's GPU time is spent on, by kernel name: the first class whose words the name holds.
+KERNEL_CLASSES = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma")),
+    ("fused (Triton)", ("triton_",)),
+    ("copy", (COPY_KERNEL,)),
+    ("optimizer", ("multi_tensor_apply",)),
+)
 
 
 def profiler_for(profile: bool, device: torch.device) -> contextlib.AbstractContextManager:
@@ -41,14 +50,20 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
-def print_table(profiler: torch.profiler.profile) -> None:
-    """The profiler's own table of ops by self CPU time, for the worker's log."""
-    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=PRINTED_OPS), flush=True)
+def print_table(profiler: torch.profiler.profile, device: torch.device) -> None:
+    """The profiler's own tables of ops by self CPU time and, on a GPU, of kernels by GPU time, for
+    the worker's log."""
+    averages = profiler.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=PRINTED_OPS), flush=True)
+    if device.type == "cuda":
+        print(averages.table(sort_by="self_device_time_total", row_limit=PRINTED_KERNELS), flush=True)
 
 
 def profile_summary(profiler: torch.profiler.profile, wall_s: float) -> dict:
     """Top kernels by GPU time, top ops by self CPU time ([name, ms, calls] over the measured
-    steps), the copy kernels' time and calls, and the GPU busy fraction (None without kernels)."""
+    steps), the copy kernels' time and calls, the GPU time by kernel class (``KERNEL_CLASSES``, and
+    "other"; annotations such as the optimizer's step are not kernels), and the GPU busy fraction
+    (None without kernels)."""
     from torch.autograd import DeviceType
 
     def top(events: list, microseconds: Callable) -> list:
@@ -63,9 +78,20 @@ def profile_summary(profiler: torch.profiler.profile, wall_s: float) -> dict:
         "top_gpu_ms": top(kernels, lambda e: e.device_time_total),
         "copy_kernel_ms": sum(e.device_time_total for e in kernels if COPY_KERNEL in e.key) / 1e3,
         "copy_kernel_calls": sum(e.count for e in kernels if COPY_KERNEL in e.key),
+        "gpu_ms_by_class": gpu_ms_by_class((e.key, e.device_time_total) for e in kernels if not e.is_user_annotation),
         "top_cpu_ms": top([e for e in averages if e.device_type == DeviceType.CPU], lambda e: e.self_cpu_time_total),
         "gpu_busy_fraction": union_length(kernel_spans) / (wall_s * 1e6) if kernel_spans else None,
     }
+
+
+def gpu_ms_by_class(kernels: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Milliseconds of GPU time per kernel class, from (kernel name, microseconds) pairs."""
+    totals = dict.fromkeys([*(name for name, _ in KERNEL_CLASSES), "other"], 0.0)
+    for key, microseconds in kernels:
+        lowered = key.lower()
+        kind = next((name for name, words in KERNEL_CLASSES if any(w in lowered for w in words)), "other")
+        totals[kind] += microseconds / 1e3
+    return totals
 
 
 @contextlib.contextmanager

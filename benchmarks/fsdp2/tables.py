@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from benchmarks.fsdp2 import backends
@@ -144,8 +145,13 @@ def profile_section(row: dict) -> str:
     if "copy_kernel_ms" in profile and profile["gpu_busy_fraction"] is not None:  # a GPU's, and a row that has it
         copies = (f"; copy kernels {profile['copy_kernel_ms'] / steps:.1f} ms in "
                   f"{profile['copy_kernel_calls'] / steps:.0f} calls per step")
+    by_class = ""
+    if "gpu_ms_by_class" in profile:
+        by_class = "GPU ms per step by kernel: " + ", ".join(
+            f"{kind} {ms / steps:.1f}" for kind, ms in profile["gpu_ms_by_class"].items()) + "\n\n"
     return (f"##### Profile: {backends.label(row)}, T={row['block_size']}, {row['date'][:16]}: {row['step_ms']:.0f} ms "
-            f"per step, GPU busy {number(profile['gpu_busy_fraction'], '.0%')}{copies}\n\n" + table(columns, kernels))
+            f"per step, GPU busy {number(profile['gpu_busy_fraction'], '.0%')}{copies}\n\n" + by_class
+            + table(columns, kernels))
 
 
 def summary(rows: list[dict]) -> str:
@@ -171,7 +177,6 @@ INVOCATION_SECONDS = 3600
 def same_invocation(a: dict, b: dict) -> bool:
     """Whether two rows come from one invocation of the benchmark (one --compile list), so that a
     ratio between them cancels the machine's noise."""
-    from datetime import datetime
 
     seconds = abs((datetime.fromisoformat(a["date"]) - datetime.fromisoformat(b["date"])).total_seconds())
     return a.get("command") == b.get("command") and seconds <= INVOCATION_SECONDS

@@ -257,7 +257,7 @@ class TrainingSession:
         result = {**dataclasses.asdict(peak_memory(device)), "reservable_bytes": reservable_bytes(device),
                   **dataclasses.asdict(times)}
         if profiler is not None:
-            profiling.print_table(profiler)
+            profiling.print_table(profiler, device)
             result["profile"] = profiling.profile_summary(profiler, sum(step_seconds))
         if snapshot is not None and device.type == "cuda":
             result["memory_snapshot"] = snapshot

@@ -52,8 +52,6 @@ EAGER_NUMERICS = {
     "eager_numerics.disable_ftz": True,
 }
 
-Label = Callable[[BoundSymbol], Hashable]
-
 
 @dataclass(frozen=True)
 class CompileStats:
@@ -148,25 +146,25 @@ class InductorFusionExecutor(TorchCompileExecutor):
         sym = Symbol(name, meta=functools.partial(_outputs_like, tuple(outputs)), is_fusion=True, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(region.bound_symbols), _call_ctx={name: fn})
 
-    def fusion_pass(self, trace: TraceCtx, label: Label | None = None,
+    def fusion_pass(self, trace: TraceCtx, apart: Callable[[BoundSymbol], bool] | None = None,
                     keep_outputs: Callable[[list[BoundSymbol]], Sequence[Proxy]] | None = None) -> TraceCtx:
         """Each run of claimed symbols as one region.
 
-        ``label`` keeps symbols of different labels in different regions (each run is first ordered
-        so that each label's symbols stand together); ``keep_outputs`` names, for a region's symbols,
+        ``apart`` keeps the symbols for which it is true in regions apart from the others (each run
+        is first ordered into as few such groups as its dependencies allow); ``keep_outputs`` names, for a region's symbols,
         outputs to return besides those read after it. Runs that ATen does in one kernel (views and
         at most one op that moves data) are left to the torch executor: inductor would gain nothing
         there and cost a compilation."""
         start = time.perf_counter_ns()
         claimed = [self._claims(b) for b in trace.bound_symbols]
-        bsyms = _grouped_by_label(trace.bound_symbols, claimed, label)
+        bsyms = _grouped_apart(trace.bound_symbols, claimed, apart)
         ordered = from_trace(trace)
         ordered.bound_symbols = bsyms
         producers, consumers = utils.producers_and_consumers(ordered)
         claimed_ids = {id(b) for b, c in zip(trace.bound_symbols, claimed) if c}
 
         def key(b: BoundSymbol) -> Hashable:
-            return None if label is None else label(b)
+            return None if apart is None else apart(b)
 
         groups: list[list[BoundSymbol]] = []
         for b in bsyms:
@@ -240,37 +238,58 @@ def _on_devices(devices: frozenset[str], *args, **kwargs) -> bool:
     return bool(tensors) and all(t.device.type in devices for t in tensors)
 
 
-def _grouped_by_label(bsyms: Sequence[BoundSymbol], claimed: Sequence[bool], label: Label | None) -> list[BoundSymbol]:
-    """``bsyms`` with each maximal run of claimed symbols reordered, dependencies kept, so that symbols
-    of one label stand together: fewer, larger regions when labels interleave."""
-    if label is None:
+def _grouped_apart(bsyms: Sequence[BoundSymbol], claimed: Sequence[bool],
+                   apart: Callable[[BoundSymbol], bool] | None) -> list[BoundSymbol]:
+    """``bsyms`` with each maximal run of claimed symbols reordered, dependencies kept, so that the
+    symbols ``apart`` picks and the others stand in as few alternating groups as possible."""
+    if apart is None:
         return list(bsyms)
     out: list[BoundSymbol] = []
     run: list[BoundSymbol] = []
-
-    def flush() -> None:
-        produced = {o.name: i for i, b in enumerate(run) for o in b.flat_proxy_outs if hasattr(o, "name")}
-        deps = [{produced[a.name] for a in b.flat_proxy_args if getattr(a, "name", None) in produced} - {i}
-                for i, b in enumerate(run)]
-        done: set[int] = set()
-        current = label(run[0]) if run else None
-        while len(done) < len(run):
-            ready = [i for i in range(len(run)) if i not in done and deps[i] <= done]
-            same = [i for i in ready if label(run[i]) == current]
-            i = (same or ready)[0]
-            current = label(run[i])
-            done.add(i)
-            out.append(run[i])
-        run.clear()
-
     for b, c in zip(bsyms, claimed):
         if c:
             run.append(b)
             continue
-        flush()
+        out.extend(_fewest_groups(run, [apart(r) for r in run]))
+        run.clear()
         out.append(b)
-    flush()
+    out.extend(_fewest_groups(run, [apart(r) for r in run]))
     return out
+
+
+def _fewest_groups(run: Sequence[BoundSymbol], flags: Sequence[bool]) -> list[BoundSymbol]:
+    """``run`` (in dependency order) ordered into groups of alternating flags: group k holds the
+    symbols that k flag changes must precede. Each symbol goes to the latest group its readers in
+    the run allow: a value made in an early group for a reader two groups on would be written out
+    and read back, where in its reader's group it stays in registers. Both flags are tried first."""
+    if not run:
+        return []
+    produced = {o.name: i for i, b in enumerate(run) for o in b.flat_proxy_outs if hasattr(o, "name")}
+    preds = [{produced[a.name] for a in b.flat_proxy_args if getattr(a, "name", None) in produced} - {i}
+             for i, b in enumerate(run)]
+    readers: list[list[int]] = [[] for _ in run]
+    for i, ps in enumerate(preds):
+        for j in ps:
+            readers[j].append(i)
+    best: tuple[int, list[int]] | None = None
+    for first in (flags[0], not flags[0]):
+        def fits(k: int, i: int) -> bool:  # group k holds symbols of flag ``first`` when k is even
+            return (k % 2 == 0) == (flags[i] == first)
+
+        level = [0] * len(run)
+        for i in range(len(run)):  # the earliest group after its inputs'
+            k = max((level[j] for j in preds[i]), default=0)
+            level[i] = k if fits(k, i) else k + 1
+        last = max(level)
+        for i in reversed(range(len(run))):  # then the latest before its readers'
+            k = min((level[r] for r in readers[i]), default=last)
+            level[i] = k if fits(k, i) else k - 1
+        used = sorted(set(level))
+        groups = 1 + sum(1 for a, b in zip(used, used[1:]) if (a - b) % 2)
+        if best is None or groups < best[0]:
+            best = (groups, level)
+    level = best[1]
+    return [run[i] for i in sorted(range(len(run)), key=lambda i: (level[i], i))]
 
 
 def _add_outputs(region: Region, extra: Sequence[Proxy]) -> None:
