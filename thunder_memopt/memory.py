@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 
 from collections import ChainMap
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from thunder.core import prims
 from thunder.core.proxies import ProxyTag, TensorProxy
@@ -39,6 +40,7 @@ __all__ = [
     "SavedTensor",
     "SavedInventory",
     "StepEstimate",
+    "SymbolFacts",
     "tensor_nbytes",
     "WORKSPACE_BYTES",
     "storage_roots",
@@ -148,6 +150,14 @@ def _view_prim(bsym: BoundSymbol) -> str | None:
     return _VIEW_PRIM_IDS.get(bsym.sym.id) or _VIEW_PRIM_IMPLS.get(bsym.sym.name)
 
 
+def _may_be_view(bsym: BoundSymbol) -> bool:
+    """Whether the bound symbol is a view prim, or every leaf of its decomposition is one: otherwise
+    ``view_strides`` is None whatever the strides, and most symbols are told apart here, cheaply."""
+    if _view_prim(bsym) is not None:
+        return True
+    return bool(bsym.subsymbols) and all(_may_be_view(sub) for sub in bsym.subsymbols)
+
+
 def _leaf_view_strides(name: str, bsym: BoundSymbol, inp: TensorProxy, in_strides: Strides, out: TensorProxy) -> Strides | None:
     shape = tuple(int(s) for s in inp.shape)
     if name in {"shallow_copy", "wait"}:
@@ -177,9 +187,9 @@ def view_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> dict[str,
     Executor symbols (``Tensor.expand``, ``torch.unsqueeze``) keep their ltorch/prims decomposition
     as subsymbols; such a symbol is a view when every step of its decomposition is one.
     """
+    if not _may_be_view(bsym):
+        return None  # most symbols, so before reading any argument
     prim = _view_prim(bsym)
-    if prim is None and not bsym.subsymbols:
-        return None  # a leaf that is no view: most leaves, so before reading any argument
     args, outs = tensor_args(bsym), tensor_outs(bsym)
     if not args or not outs or args[0].name not in strides:
         return None
@@ -264,66 +274,175 @@ def received_tensors(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None
 KnownStorages = Mapping[str, tuple[str, int]]  # input name -> (the input naming its storage, storage bytes)
 
 
+class _Kind(Enum):
+    """How ``storage_roots`` reads a bound symbol's outputs."""
+
+    SKIPPED = "unpacking, return or deletion"
+    ALIASES = "update_aliases: each output is its input, renamed"
+    INPLACE = "an in-place op: its outputs alias its target"
+    REGION = "a torch.compile region, whose outputs may alias its arguments or one another"
+    VIEW = "a symbol that may return views of its first argument"
+    NEW = "a symbol whose outputs are new storages"
+
+
+@dataclass(frozen=True)
+class _Symbol:
+    """What the memory model reads of one bound symbol, wherever it stands in a trace."""
+
+    bsym: BoundSymbol  # held, so that its id, the cache's key, stays its own
+    kind: _Kind
+    args: tuple[TensorProxy, ...]
+    outs: tuple[TensorProxy, ...]
+    reads: tuple[str, ...]  # the names of the proxies it reads (none for a deletion)
+    producer: str
+    source: str | None
+    lookups: tuple[str, ...]  # VIEW: every tensor its decomposition names, whose strides it may read
+    views: dict[tuple, dict[str, Strides] | None]  # VIEW: view_strides by the strides of ``lookups``
+
+
+class SymbolFacts:
+    """What the memory model reads of bound symbols and tensor proxies that does not depend on where
+    they stand in a trace: their kind, names, bytes, shapes and, for a view, the strides it returns
+    for given input strides.
+
+    Each function of the model that takes one (``storage_roots``, ``estimate_memory``,
+    ``estimate_step``) works out these facts as it meets each symbol; a caller pricing many traces
+    made of the same symbols (the recompute ladder's rungs: one forward and one backward, with
+    other saved sets and replays) passes one instance to every call and so reads each symbol once.
+    It keeps the symbols it has seen alive, and should live no longer than that work.
+    """
+
+    def __init__(self) -> None:
+        self._symbols: dict[int, _Symbol] = {}
+        self._tensors: dict[str, tuple[tuple[int, ...], str, int, Strides]] = {}
+
+    def symbol(self, bsym: BoundSymbol) -> _Symbol:
+        facts = self._symbols.get(id(bsym))
+        if facts is None:
+            facts = self._symbols[id(bsym)] = _symbol_facts(bsym)
+        return facts
+
+    def tensor(self, t: TensorProxy) -> tuple[tuple[int, ...], str, int, Strides]:
+        """(shape, dtype, bytes, contiguous strides) of a tensor, by name."""
+        facts = self._tensors.get(t.name)
+        if facts is None:
+            shape = tuple(int(s) for s in t.shape)
+            facts = self._tensors[t.name] = (shape, str(t.dtype), tensor_nbytes(t), contiguous_strides(shape))
+        return facts
+
+    def view_strides(self, symbol: _Symbol, strides: Mapping[str, Strides]) -> dict[str, Strides] | None:
+        """``view_strides(symbol.bsym, strides)``, computed once for each strides it may read."""
+        key = tuple(strides.get(name) for name in symbol.lookups)
+        if key not in symbol.views:
+            symbol.views[key] = view_strides(symbol.bsym, strides)
+        return symbol.views[key]
+
+
+def _symbol_facts(bsym: BoundSymbol) -> _Symbol:
+    name = bsym.sym.name
+    if is_bookkeeping(bsym):
+        kind = _Kind.SKIPPED
+    elif name == "update_aliases":
+        kind = _Kind.ALIASES
+    elif name in _INPLACE_TARGET:
+        kind = _Kind.INPLACE
+    elif bsym.subsymbols and _torch_compile_region(bsym):
+        kind = _Kind.REGION
+    elif _may_be_view(bsym):
+        kind = _Kind.VIEW
+    else:
+        kind = _Kind.NEW
+    reads = () if name in _DELETION_NAMES else tuple(
+        p.name for p in bsym.flat_proxy_args if getattr(p, "name", None) is not None)
+    return _Symbol(
+        bsym=bsym,
+        kind=kind,
+        args=tuple(tensor_args(bsym)),
+        outs=tuple(tensor_outs(bsym)),
+        reads=reads,
+        producer=name,
+        source=_source_of(bsym),
+        lookups=tuple(dict.fromkeys(_decomposition_tensors(bsym))) if kind is _Kind.VIEW else (),
+        views={},
+    )
+
+
+def _decomposition_tensors(bsym: BoundSymbol) -> Iterator[str]:
+    """The names of the tensors a bound symbol and every level of its decomposition read or return."""
+    for t in (*tensor_args(bsym), *tensor_outs(bsym)):
+        yield t.name
+    for sub in bsym.subsymbols:
+        yield from _decomposition_tensors(sub)
+
+
 def storage_roots(
-    trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None, known_storages: KnownStorages | None = None
+    trace: TraceCtx,
+    bsyms: Sequence[BoundSymbol] | None = None,
+    known_storages: KnownStorages | None = None,
+    *,
+    facts: SymbolFacts | None = None,
 ) -> dict[str, TensorInfo]:
     """Every tensor proxy of the trace, keyed by name, with the storage it lives in.
 
     ``bsyms`` replaces the trace's bound symbols (indices then refer to it). ``known_storages``
     gives an input (or a saved tensor a backward unpacks) the storage it shares with another input,
     which the trace cannot see: a forward that saves a tensor and a view of it hands the backward both.
+    ``facts``: see ``SymbolFacts``.
     """
     known_storages = known_storages or {}
     bsyms = trace.bound_symbols if bsyms is None else bsyms
+    facts = SymbolFacts() if facts is None else facts
     infos: dict[str, TensorInfo] = {}
     strides: dict[str, Strides] = {}
 
-    def add(t: TensorProxy, storage: str, producer: BoundSymbol | None, index: int | None) -> None:
+    def add(t: TensorProxy, storage: str, producer: _Symbol | None, index: int | None) -> None:
         if t.name in infos:
             return
+        shape, dtype, nbytes, contiguous = facts.tensor(t)
         infos[t.name] = TensorInfo(
             name=t.name,
-            shape=tuple(int(s) for s in t.shape),
-            dtype=str(t.dtype),
-            nbytes=tensor_nbytes(t),
+            shape=shape,
+            dtype=dtype,
+            nbytes=nbytes,
             storage=storage,
-            producer=None if producer is None else producer.sym.name,
+            producer=None if producer is None else producer.producer,
             producer_index=index,
-            source=None if producer is None else _source_of(producer),
+            source=None if producer is None else producer.source,
         )
-        strides.setdefault(t.name, contiguous_strides(t.shape))
+        strides.setdefault(t.name, contiguous)
 
     for t in received_tensors(trace, bsyms):
         add(t, known_storages[t.name][0] if t.name in known_storages else t.name, None, None)
     for i, bsym in enumerate(bsyms):
-        if is_bookkeeping(bsym):
+        symbol = facts.symbol(bsym)
+        kind = symbol.kind
+        if kind is _Kind.SKIPPED:
             continue
-        if bsym.sym.name == "update_aliases":
-            # Thunder's marker after an in-place op: each output is its input, renamed.
-            for a, o in zip(tensor_args(bsym), tensor_outs(bsym)):
-                add(o, infos[a.name].storage if a.name in infos else a.name, bsym, i)
+        if kind is _Kind.ALIASES:
+            for a, o in zip(symbol.args, symbol.outs):
+                add(o, infos[a.name].storage if a.name in infos else a.name, symbol, i)
             continue
-        if bsym.sym.name in _INPLACE_TARGET:
+        if kind is _Kind.INPLACE:
             base = bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]
-            for o in tensor_outs(bsym):
-                add(o, infos[base.name].storage if base.name in infos else base.name, bsym, i)
+            for o in symbol.outs:
+                add(o, infos[base.name].storage if base.name in infos else base.name, symbol, i)
             continue
-        if bsym.subsymbols and _torch_compile_region(bsym):
+        if kind is _Kind.REGION:
             region_views = region_output_views(bsym, strides)
-            for o in tensor_outs(bsym):
+            for o in symbol.outs:
                 base, view = region_views.get(o.name, (o.name, None))
                 if view is not None:
                     strides[o.name] = view
-                add(o, infos[base].storage if base in infos else base, bsym, i)
+                add(o, infos[base].storage if base in infos else base, symbol, i)
             continue
-        views = view_strides(bsym, strides)
-        base = tensor_args(bsym)[0] if views else None
-        for o in tensor_outs(bsym):
+        views = facts.view_strides(symbol, strides) if kind is _Kind.VIEW else None
+        base = symbol.args[0] if views else None
+        for o in symbol.outs:
             if views is not None and o.name in views and base.name in infos:
                 strides[o.name] = views[o.name]
-                add(o, infos[base.name].storage, bsym, i)
+                add(o, infos[base.name].storage, symbol, i)
             else:
-                add(o, o.name, bsym, i)
+                add(o, o.name, symbol, i)
     return infos
 
 
@@ -363,14 +482,12 @@ def _workspace_bytes(bsym: BoundSymbol) -> int:
     return 0 if workspace is None else workspace(bsym)
 
 
-def _last_uses(bsyms: Sequence[BoundSymbol], infos: dict[str, TensorInfo]) -> dict[str, int]:
+def _last_uses(bsyms: Sequence[BoundSymbol], infos: Mapping[str, TensorInfo], facts: SymbolFacts) -> dict[str, int]:
     """Index of the last bound symbol that reads each storage (through any of its views)."""
     last: dict[str, int] = {}
     for i, bsym in enumerate(bsyms):
-        if bsym.sym.name in _DELETION_NAMES:
-            continue
-        for p in bsym.flat_proxy_args:
-            info = infos.get(getattr(p, "name", None))
+        for name in facts.symbol(bsym).reads:
+            info = infos.get(name)
             if info is not None:
                 last[info.storage] = i
     return last
@@ -383,6 +500,7 @@ def estimate_memory(
     held: Iterable[str] = (),
     known_storages: KnownStorages | None = None,
     infos: Mapping[str, TensorInfo] | None = None,
+    facts: SymbolFacts | None = None,
 ) -> MemoryEstimate:
     """Estimate the live bytes after every bound symbol of an execution trace.
 
@@ -394,13 +512,15 @@ def estimate_memory(
     ``known_storages`` gives inputs the storage the trace cannot see, as (the input that names it,
     its bytes): a backward receives saved views whose storages the forward allocated. ``infos``, the
     trace's ``storage_roots`` (over its symbols less deletions), if the caller has them already.
+    ``facts``: see ``SymbolFacts``.
     """
     if inputs_freed is None:
         inputs_freed = TraceTag.BACKWARD in trace.tags
+    facts = SymbolFacts() if facts is None else facts
     bsyms = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
     if infos is None:
-        infos = storage_roots(trace, bsyms, known_storages)
-    last = _last_uses(bsyms, infos)
+        infos = storage_roots(trace, bsyms, known_storages, facts=facts)
+    last = _last_uses(bsyms, infos, facts)
     storage_bytes = storage_nbytes(infos, known_storages)
     input_storages = {i.storage for i in infos.values() if i.producer_index is None}
     returned = {infos[p.name].storage for p in (bsyms[-1].flat_proxy_args if bsyms else ())
@@ -560,7 +680,11 @@ class StepEstimate:
 
 
 def estimate_step(
-    forward_trace: TraceCtx, backward_trace: TraceCtx, *, forward_infos: Mapping[str, TensorInfo] | None = None
+    forward_trace: TraceCtx,
+    backward_trace: TraceCtx,
+    *,
+    forward_infos: Mapping[str, TensorInfo] | None = None,
+    facts: SymbolFacts | None = None,
 ) -> StepEstimate:
     """Peak live activation bytes over forward + backward, excluding what the caller holds.
 
@@ -568,13 +692,15 @@ def estimate_step(
     tensors and the output gradients and frees them as they are consumed; its peak counts the saved
     parameters' bytes only once (they are held by the module anyway), and the forward's outputs
     stay alive until the backward begins. ``forward_infos`` is the forward's ``storage_roots``, for
-    a caller pricing forwards that differ only in what they save (the ladder's rungs).
+    a caller pricing forwards that differ only in what they save (the ladder's rungs); ``facts``,
+    see ``SymbolFacts``.
     """
-    fw = estimate_memory(forward_trace, inputs_freed=False, infos=forward_infos)
+    facts = SymbolFacts() if facts is None else facts
+    fw = estimate_memory(forward_trace, inputs_freed=False, infos=forward_infos, facts=facts)
     saved = saved_for_backward(forward_trace, infos=forward_infos)
     storages = _saved_storages(saved, backward_trace)
     params = {storages[t.name][0] for t in saved.tensors if t.is_parameter and t.name in storages}
-    bw = estimate_memory(backward_trace, inputs_freed=True, held=params, known_storages=storages)
+    bw = estimate_memory(backward_trace, inputs_freed=True, held=params, known_storages=storages, facts=facts)
     fw_peak = fw.peak_bytes - fw.input_bytes
     # The backward's inputs include saved parameters, which are not the step's allocation.
     bw_peak = bw.peak_bytes - saved.parameter_bytes

@@ -36,6 +36,7 @@ from thunder.core.transforms import (
 )
 
 from thunder_memopt.memory import (
+    SymbolFacts,
     TensorInfo,
     estimate_step,
     is_bookkeeping,
@@ -326,9 +327,11 @@ def choose_by_budget(
     # them for every rung; the chosen rung gets them. The rungs' forwards differ only in what they
     # return, so one storage map serves them all.
     forwards = [apply_to_forward(forward_trace, plan, deletions=False) for plan in plans]
-    forward_infos = storage_roots(forwards[0])
+    # The rungs are made of the same symbols, so one SymbolFacts reads each of them once.
+    facts = SymbolFacts()
+    forward_infos = storage_roots(forwards[0], facts=facts)
     peaks = [estimate_step(forward, apply_to_backward(backward_trace, plan, deletions=False),
-                           forward_infos=forward_infos).peak_bytes for forward, plan in zip(forwards, plans)]
+                           forward_infos=forward_infos, facts=facts).peak_bytes for forward, plan in zip(forwards, plans)]
     target = min(peaks) + budget * (peaks[0] - min(peaks))
     meeting = [k for k, peak in enumerate(peaks) if peak <= target]
     # At 0.0 memory is all that counts: of the rungs at the lowest estimated peak, the one that saves
@@ -420,7 +423,8 @@ def replay_in_backward(
 ) -> TraceCtx:
     """The backward receiving ``saved`` instead of ``key`` and running each of ``replayed`` (forward
     symbols, in forward order) just before the first symbol that reads what it produces; deletions
-    placed anew unless not ``deletions``."""
+    placed anew unless not ``deletions``: a trace only to be priced, which shares the replayed
+    symbols with the forward rather than running copies of them."""
     if TraceTag.BACKWARD not in backward_trace.tags:
         raise ValueError("replay_in_backward needs a backward trace")
     saved_tensors, saved_others = backward_trace.args[0]
@@ -432,6 +436,8 @@ def replay_in_backward(
         )
     new = strip_deletions(backward_trace)
     _update_backward_with_new_saved_for_backward(new, [*saved, *saved_others])
+    # Shared, a symbol's flattened arguments are read once for every rung the ladder prices.
+    copy = BoundSymbol.from_bsym if deletions else lambda b: b
     producer = {o.name: b for b in replayed for o in b.flat_proxy_outs if hasattr(o, "name")}
     position = {id(b): i for i, b in enumerate(replayed)}
     emitted: set[int] = set()
@@ -445,7 +451,7 @@ def replay_in_backward(
             continue  # the backward's own later copy of a value replayed already
         for b in sorted(_replay_chain(bsym, producer, emitted, available), key=lambda b: position[id(b)]):
             emitted.add(id(b))
-            out.append(b.from_bsym())
+            out.append(copy(b))
             available.update(o.name for o in b.flat_proxy_outs if hasattr(o, "name"))
         out.append(bsym)
         available.update(o.name for o in bsym.flat_proxy_outs if hasattr(o, "name"))
