@@ -223,7 +223,7 @@ def _closure(g: _ForwardGraph, saved: set[str], replayable: Sequence[bool]) -> t
             continue
         replay.add(i)
         stack.extend(a.name for a in tensor_args(g.bsyms[i]))
-    return _bases_saved_for_views(g, saved, replay, replayable)
+    return saved, replay
 
 
 def _bases_saved_for_views(
@@ -259,8 +259,11 @@ def _saved_bytes(g: _ForwardGraph, saved: set[str]) -> int:
     return sum({g.infos[n].storage: g.cost[n] for n in saved}.values())
 
 
-def _solve(g: _ForwardGraph, network: _CutNetwork, replayable: Sequence[bool]) -> tuple[set[str], set[int], int]:
+def _solve(g: _ForwardGraph, network: _CutNetwork, replayable: Sequence[bool],
+           replay_saved_views: bool) -> tuple[set[str], set[int], int]:
     saved, replay = _closure(g, network.min_cut_saved(replayable), replayable)
+    if replay_saved_views:
+        saved, replay = _bases_saved_for_views(g, saved, replay, replayable)
     return saved, replay, _saved_bytes(g, saved)
 
 
@@ -269,8 +272,13 @@ def plan_recompute(forward_trace: TraceCtx) -> RecomputePlan:
     return plan_ladder(forward_trace, steps=0)[0]
 
 
-def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePlan]:
+def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8, replay_saved_views: bool = False) -> list[RecomputePlan]:
     """Plans from the default (cheap ops only) to the most recompute, in ``steps`` rungs.
+
+    ``replay_saved_views``: replay each saved view from what it looks into, for the same bytes
+    (``_bases_saved_for_views``), so that fusion regions stay whole. Without fusion the cut is kept
+    as it is: there the change gains nothing, and on a narrowed Llama it left the schedule pass a
+    backward it could not improve.
 
     Rung k also replays the cheapest-FLOPs k/steps of the expensive ops (matmuls, attention) that
     are not segment checkpoints (see ``_checkpoints``). Allowing more ops can only lower the min
@@ -281,7 +289,7 @@ def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePla
     cheap = [k is OpKind.CHEAP for k in g.kinds]
     before = _saved_bytes(g, {t.name for t in g.needed})
     network = _CutNetwork(g)
-    solutions = [_solve(g, network, cheap)]
+    solutions = [_solve(g, network, cheap, replay_saved_views)]
     if steps:
         checkpoints = _checkpoints(g)
         expensive = sorted(
@@ -293,7 +301,7 @@ def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8) -> list[RecomputePla
             allowed = list(allowed_cheap)
             for i in expensive[:n]:
                 allowed[i] = True
-            solutions.append(_solve(g, network, allowed))
+            solutions.append(_solve(g, network, allowed, replay_saved_views))
     return [_plan(g, before, *solution) for solution in solutions]
 
 

@@ -161,7 +161,9 @@ class MemoryOptimization(Transform):
             flat = trace if fusion is None else fusion.unfuse(trace)
 
             def plan_and_apply() -> tuple[list[recompute.RecomputePlan], TraceCtx]:
-                ladder = recompute.plan_ladder(flat, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS)
+                # With fusion, saved views are replayed from their bases so that regions stay whole.
+                ladder = recompute.plan_ladder(flat, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS,
+                                               replay_saved_views=fusion is not None)
                 return ladder, recompute.apply_to_forward(flat, ladder[0])
 
             planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
