@@ -177,7 +177,6 @@ INVOCATION_SECONDS = 3600
 def same_invocation(a: dict, b: dict) -> bool:
     """Whether two rows come from one invocation of the benchmark (one --compile list), so that a
     ratio between them cancels the machine's noise."""
-
     seconds = abs((datetime.fromisoformat(a["date"]) - datetime.fromisoformat(b["date"])).total_seconds())
     return a.get("command") == b.get("command") and seconds <= INVOCATION_SECONDS
 

@@ -151,10 +151,10 @@ class InductorFusionExecutor(TorchCompileExecutor):
         """Each run of claimed symbols as one region.
 
         ``apart`` keeps the symbols for which it is true in regions apart from the others (each run
-        is first ordered into as few such groups as its dependencies allow); ``keep_outputs`` names, for a region's symbols,
-        outputs to return besides those read after it. Runs that ATen does in one kernel (views and
-        at most one op that moves data) are left to the torch executor: inductor would gain nothing
-        there and cost a compilation."""
+        is first ordered into as few such groups as its dependencies allow); ``keep_outputs`` names,
+        for a region's symbols, outputs to return besides those read after it. Runs that ATen does
+        in one kernel (views and at most one op that moves data) are left to the torch executor:
+        inductor would gain nothing there and cost a compilation."""
         start = time.perf_counter_ns()
         claimed = [self._claims(b) for b in trace.bound_symbols]
         bsyms = _grouped_apart(trace.bound_symbols, claimed, apart)
