@@ -298,6 +298,7 @@ class _Symbol:
     source: str | None
     lookups: tuple[str, ...]  # VIEW: every tensor its decomposition names, whose strides it may read
     views: dict[tuple, dict[str, Strides] | None]  # VIEW: view_strides by the strides of ``lookups``
+    workspace: int  # WORKSPACE_BYTES
 
 
 class SymbolFacts:
@@ -329,6 +330,10 @@ class SymbolFacts:
             shape = tuple(int(s) for s in t.shape)
             facts = self._tensors[t.name] = (shape, str(t.dtype), tensor_nbytes(t), contiguous_strides(shape))
         return facts
+
+    def named(self, name: str) -> tuple[tuple[int, ...], str, int, Strides]:
+        """``tensor`` of a tensor met already, by its name."""
+        return self._tensors[name]
 
     def view_strides(self, symbol: _Symbol, strides: Mapping[str, Strides]) -> dict[str, Strides] | None:
         """``view_strides(symbol.bsym, strides)``, computed once for each strides it may read."""
@@ -364,6 +369,7 @@ def _symbol_facts(bsym: BoundSymbol) -> _Symbol:
         source=_source_of(bsym),
         lookups=tuple(dict.fromkeys(_decomposition_tensors(bsym))) if kind is _Kind.VIEW else (),
         views={},
+        workspace=_workspace_bytes(bsym),
     )
 
 
@@ -389,18 +395,16 @@ def storage_roots(
     which the trace cannot see: a forward that saves a tensor and a view of it hands the backward both.
     ``facts``: see ``SymbolFacts``.
     """
-    known_storages = known_storages or {}
     bsyms = trace.bound_symbols if bsyms is None else bsyms
     facts = SymbolFacts() if facts is None else facts
+    storages = _storages(trace, bsyms, known_storages, facts)
     infos: dict[str, TensorInfo] = {}
-    strides: dict[str, Strides] = {}
-
-    def add(t: TensorProxy, storage: str, producer: _Symbol | None, index: int | None) -> None:
-        if t.name in infos:
-            return
-        shape, dtype, nbytes, contiguous = facts.tensor(t)
-        infos[t.name] = TensorInfo(
-            name=t.name,
+    for name, storage in storages.root.items():
+        shape, dtype, nbytes, _ = facts.named(name)
+        index = storages.made_at[name]
+        producer = None if index is None else facts.symbol(bsyms[index])
+        infos[name] = TensorInfo(
+            name=name,
             shape=shape,
             dtype=dtype,
             nbytes=nbytes,
@@ -409,10 +413,52 @@ def storage_roots(
             producer_index=index,
             source=None if producer is None else producer.source,
         )
+    return infos
+
+
+@dataclass(frozen=True)
+class _Storages:
+    """``storage_roots`` as maps of names, all that ``estimate_memory`` reads of it: pricing a
+    ladder's rungs would otherwise build a TensorInfo for every tensor of every rung."""
+
+    root: dict[str, str]  # tensor -> the tensor that names its storage
+    made_at: dict[str, int | None]  # tensor -> index of the bound symbol that made it (None: received)
+    nbytes: dict[str, int]  # tensor -> its bytes
+
+    @classmethod
+    def of(cls, infos: Mapping[str, TensorInfo]) -> _Storages:
+        return cls(
+            root={name: i.storage for name, i in infos.items()},
+            made_at={name: i.producer_index for name, i in infos.items()},
+            nbytes={name: i.nbytes for name, i in infos.items()},
+        )
+
+    def storage_bytes(self, known_storages: KnownStorages | None) -> dict[str, int]:
+        """``storage_nbytes``."""
+        nbytes = {root: self.nbytes[root] for root in self.root.values()}
+        nbytes.update((known_storages or {}).values())
+        return nbytes
+
+
+def _storages(
+    trace: TraceCtx, bsyms: Sequence[BoundSymbol], known_storages: KnownStorages | None, facts: SymbolFacts
+) -> _Storages:
+    """``storage_roots``' walk."""
+    known_storages = known_storages or {}
+    root: dict[str, str] = {}
+    made_at: dict[str, int | None] = {}
+    nbytes: dict[str, int] = {}
+    strides: dict[str, Strides] = {}
+
+    def add(t: TensorProxy, storage: str, index: int | None) -> None:
+        if t.name in root:
+            return
+        _, _, size, contiguous = facts.tensor(t)
+        root[t.name], made_at[t.name], nbytes[t.name] = storage, index, size
         strides.setdefault(t.name, contiguous)
 
     for t in received_tensors(trace, bsyms):
-        add(t, known_storages[t.name][0] if t.name in known_storages else t.name, None, None)
+        add(t, known_storages[t.name][0] if t.name in known_storages else t.name, None)
     for i, bsym in enumerate(bsyms):
         symbol = facts.symbol(bsym)
         kind = symbol.kind
@@ -420,12 +466,12 @@ def storage_roots(
             continue
         if kind is _Kind.ALIASES:
             for a, o in zip(symbol.args, symbol.outs):
-                add(o, infos[a.name].storage if a.name in infos else a.name, symbol, i)
+                add(o, root.get(a.name, a.name), i)
             continue
         if kind is _Kind.INPLACE:
             base = bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]
             for o in symbol.outs:
-                add(o, infos[base.name].storage if base.name in infos else base.name, symbol, i)
+                add(o, root.get(base.name, base.name), i)
             continue
         if kind is _Kind.REGION:
             region_views = region_output_views(bsym, strides)
@@ -433,25 +479,23 @@ def storage_roots(
                 base, view = region_views.get(o.name, (o.name, None))
                 if view is not None:
                     strides[o.name] = view
-                add(o, infos[base].storage if base in infos else base, symbol, i)
+                add(o, root.get(base, base), i)
             continue
         views = facts.view_strides(symbol, strides) if kind is _Kind.VIEW else None
         base = symbol.args[0] if views else None
         for o in symbol.outs:
-            if views is not None and o.name in views and base.name in infos:
+            if views is not None and o.name in views and base.name in root:
                 strides[o.name] = views[o.name]
-                add(o, infos[base.name].storage, symbol, i)
+                add(o, root[base.name], i)
             else:
-                add(o, o.name, symbol, i)
-    return infos
+                add(o, o.name, i)
+    return _Storages(root=root, made_at=made_at, nbytes=nbytes)
 
 
 def storage_nbytes(infos: Mapping[str, TensorInfo], known_storages: KnownStorages | None = None) -> dict[str, int]:
     """The bytes of each storage of ``storage_roots``: its root tensor's, or for a storage the trace
     receives and cannot see whole (a saved slice's base), the bytes ``known_storages`` gives."""
-    nbytes = {i.storage: infos[i.storage].nbytes for i in infos.values()}
-    nbytes.update((known_storages or {}).values())
-    return nbytes
+    return _Storages.of(infos).storage_bytes(known_storages)
 
 
 @dataclass(frozen=True)
@@ -482,14 +526,14 @@ def _workspace_bytes(bsym: BoundSymbol) -> int:
     return 0 if workspace is None else workspace(bsym)
 
 
-def _last_uses(bsyms: Sequence[BoundSymbol], infos: Mapping[str, TensorInfo], facts: SymbolFacts) -> dict[str, int]:
+def _last_uses(symbols: Sequence[_Symbol], root: Mapping[str, str]) -> dict[str, int]:
     """Index of the last bound symbol that reads each storage (through any of its views)."""
     last: dict[str, int] = {}
-    for i, bsym in enumerate(bsyms):
-        for name in facts.symbol(bsym).reads:
-            info = infos.get(name)
-            if info is not None:
-                last[info.storage] = i
+    for i, symbol in enumerate(symbols):
+        for name in symbol.reads:
+            storage = root.get(name)
+            if storage is not None:
+                last[storage] = i
     return last
 
 
@@ -518,19 +562,16 @@ def estimate_memory(
         inputs_freed = TraceTag.BACKWARD in trace.tags
     facts = SymbolFacts() if facts is None else facts
     bsyms = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
-    if infos is None:
-        infos = storage_roots(trace, bsyms, known_storages, facts=facts)
-    last = _last_uses(bsyms, infos, facts)
-    storage_bytes = storage_nbytes(infos, known_storages)
-    input_storages = {i.storage for i in infos.values() if i.producer_index is None}
-    returned = {infos[p.name].storage for p in (bsyms[-1].flat_proxy_args if bsyms else ())
-                if getattr(p, "name", None) in infos} if bsyms and bsyms[-1].sym.id == prims.PrimIDs.RETURN else set()
+    storages = _storages(trace, bsyms, known_storages, facts) if infos is None else _Storages.of(infos)
+    root, made_at = storages.root, storages.made_at
+    symbols = [facts.symbol(b) for b in bsyms]
+    last = _last_uses(symbols, root)
+    storage_bytes = storages.storage_bytes(known_storages)
+    input_storages = {root[name] for name, index in made_at.items() if index is None}
+    returned = {root[name] for name in symbols[-1].reads
+                if name in root} if bsyms and bsyms[-1].sym.id == prims.PrimIDs.RETURN else set()
 
-    created_k = {
-        info.storage: info.producer_index
-        for info in infos.values()
-        if info.producer_index is not None and info.storage == info.name
-    }
+    created_k = {storage: made_at[name] for name, storage in root.items() if made_at[name] is not None and storage == name}
 
     n = len(bsyms)
     delta = [0] * (n + 1)  # delta[k]: bytes allocated at symbol k; frees land at k+1
@@ -552,7 +593,7 @@ def estimate_memory(
     for k in range(n):
         cur += delta[k]
         # While it runs, an op may hold more than its outputs (WORKSPACE_BYTES).
-        during = cur + _workspace_bytes(bsyms[k])
+        during = cur + symbols[k].workspace
         live.append(cur)
         if during > peak:
             peak, peak_k = during, k
