@@ -21,9 +21,8 @@ saved, as before.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import networkx as nx
@@ -31,7 +30,7 @@ from networkx.algorithms.flow import boykov_kolmogorov
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.trace import TraceCtx, TraceTag, from_trace
 from thunder.core.transforms import (
     _update_backward_with_new_saved_for_backward,
     _update_forward_with_new_saved_for_backward,
@@ -269,28 +268,11 @@ def _solve(g: _ForwardGraph, network: _CutNetwork, replayable: Sequence[bool],
     return saved, replay, _saved_bytes(g, saved)
 
 
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector, as torch.distributed.checkpoint does around its
-    state-dict walks. The ladder keeps tens of thousands of graph and trace objects alive for a
-    while, enough to set off a full collection, which walks every object of the process (the
-    model's traces: about 1.5 s at 32 layers) to free almost nothing: what the pass drops, reference
-    counting frees."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def plan_recompute(forward_trace: TraceCtx) -> RecomputePlan:
     """The default plan: replay cheap ops only, save the min-cut (see the module docstring)."""
     return plan_ladder(forward_trace, steps=0)[0]
 
 
-@_cyclic_gc_paused()
 def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8, replay_saved_views: bool = False) -> list[RecomputePlan]:
     """Plans from the default (cheap ops only) to the most recompute, in ``steps`` rungs.
 
@@ -338,7 +320,6 @@ def _plan(g: _ForwardGraph, before: int, saved: set[str], replay: set[int], afte
     )
 
 
-@_cyclic_gc_paused()
 def choose_by_budget(
     plans: Sequence[RecomputePlan], forward_trace: TraceCtx, backward_trace: TraceCtx, budget: float
 ) -> tuple[int, TraceCtx]:
@@ -353,8 +334,10 @@ def choose_by_budget(
     """
     # Priced without deletions (the memory model reads liveness from last uses), which saves placing
     # them for every rung; the chosen rung gets them. The rungs' forwards differ only in what they
-    # return, so one storage map serves them all.
-    forwards = [apply_to_forward(forward_trace, plan, deletions=False) for plan in plans]
+    # return: one is built, the others take its symbols with another return, and one storage map
+    # serves them all.
+    first = apply_to_forward(forward_trace, plans[0], deletions=False)
+    forwards = [first, *(_returning_saved(first, plan.saved) for plan in plans[1:])]
     # The rungs are made of the same symbols, so one SymbolFacts reads each of them once.
     facts = SymbolFacts()
     forward_infos = storage_roots(forwards[0], facts=facts)
@@ -367,6 +350,15 @@ def choose_by_budget(
     # real peaks differ. Otherwise the least recompute that meets the target.
     k = min(meeting, key=lambda k: plans[k].saved_bytes_after) if budget == 0.0 else meeting[0]
     return k, apply_to_forward(forward_trace, plans[k])
+
+
+def _returning_saved(forward_trace: TraceCtx, saved: Sequence[TensorProxy]) -> TraceCtx:
+    """The forward's symbols, its return saving ``saved`` instead (the other saved values kept)."""
+    ret = forward_trace.bound_symbols[-1]
+    output, (_, others) = ret.args
+    new = from_trace(forward_trace)
+    new.bound_symbols = [*forward_trace.bound_symbols[:-1], dataclasses.replace(ret, args=(output, (tuple(saved), others)))]
+    return new
 
 
 def _checkpoints(g: _ForwardGraph, min_expensive_per_segment: int = 5) -> set[int]:
