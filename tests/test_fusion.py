@@ -14,6 +14,7 @@ from thunder.extend import FusionExecutor
 import thunder_memopt.transform as transform_module
 from _train import assert_same_numerics, shared_train_step, train_step
 from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
+from thunder_memopt.core.memory import tensor_nbytes
 from thunder_memopt.executors import (
     InductorFusionExecutor,
     cudnn_attention_ex,
@@ -21,7 +22,6 @@ from thunder_memopt.executors import (
     fusion_ex,
     linear_cross_entropy_ex,
 )
-from thunder_memopt.memory import tensor_nbytes
 
 STABLECODE = "stablecode-completion-alpha-3b"
 # Inductor's C++ code rounds differently from ATen's kernels (the norms' reductions run in another

@@ -1,4 +1,4 @@
-"""The fused loss head (thunder_memopt.executors.chunked_cross_entropy, thunder_memopt.loss_head):
+"""The fused loss head (thunder_memopt.executors.chunked_cross_entropy, thunder_memopt.passes.loss_head):
 numerics against the unfused loss, as a torch function, under thunder.jit and under ThunderCompiler;
 saved bytes that no longer grow with the vocabulary; a lower measured peak; fusion off unchanged."""
 
@@ -10,9 +10,9 @@ import torch
 
 from _train import assert_same_numerics, Step
 from thunder_memopt import PASSES, MemoryOptimization, executors, thunderfx_backend
+from thunder_memopt.core.memory import estimate_step
 from thunder_memopt.executors import linear_cross_entropy
 from thunder_memopt.measure import measure_saved, peak_live_bytes
-from thunder_memopt.memory import estimate_step
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 
 STABLECODE = "stablecode-completion-alpha-3b"

@@ -4,8 +4,14 @@ import pytest
 import torch
 from _train import shared_train_step
 
+from thunder_memopt.core.memory import (
+    _reshape_strides,
+    contiguous_strides,
+    estimate_memory,
+    estimate_step,
+    saved_for_backward,
+)
 from thunder_memopt.measure import cross_entropy_compiled_as_on_gpu
-from thunder_memopt.memory import _reshape_strides, contiguous_strides, estimate_memory, estimate_step, saved_for_backward
 
 
 @pytest.mark.parametrize("model_name", ["stablecode-completion-alpha-3b", "Llama-3-8B"])

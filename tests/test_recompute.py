@@ -8,8 +8,9 @@ import torch
 from _train import assert_same_numerics, h_bytes_per_layer, shared_train_step, train_step
 
 from thunder_memopt import MemoryOptimization, thunderfx_backend
-from thunder_memopt import ops, recompute
-from thunder_memopt.memory import estimate_step, saved_for_backward
+from thunder_memopt.core import ops
+from thunder_memopt.core.memory import estimate_step, saved_for_backward
+from thunder_memopt.passes import recompute
 
 STABLECODE, PYTHIA, LLAMA = "stablecode-completion-alpha-3b", "pythia-160m", "Llama-3-8B"
 ARCHITECTURES = [

@@ -14,9 +14,10 @@ from torch._inductor import memory as inductor_memory
 from torch.utils._ordered_set import OrderedSet
 
 from thunder_memopt import MemoryOptimization
-from thunder_memopt.memory import backward_storages, estimate_memory, storage_roots, strip_deletions
+from thunder_memopt.core.memory import backward_storages, estimate_memory, storage_roots
+from thunder_memopt.core.trace import strip_deletions
 from thunder_memopt.models import build_model, narrow_config, random_batch
-from thunder_memopt.schedule import build_graph, has_side_effects, schedule_trace, simulate
+from thunder_memopt.passes.schedule import build_graph, has_side_effects, schedule_trace, simulate
 
 MODELS = ["stablecode-completion-alpha-3b", "Llama-3-8B"]
 # At 128 tokens a weight gradient (n_embd x vocab or x 4h) is larger than the activations it is

@@ -18,8 +18,8 @@ import thunder
 import torch
 
 from thunder_memopt.arguments import device_name, fraction, litgpt_model_name, narrow_width, non_negative_int, positive_int
+from thunder_memopt.core.memory import SavedInventory, estimate_step, saved_for_backward
 from thunder_memopt.measure import measure_saved, peak_live_bytes
-from thunder_memopt.memory import SavedInventory, estimate_step, saved_for_backward
 from thunder_memopt.models import DTYPES, GPTWithLoss, build_model, narrow_config, random_batch, training_step
 from thunder_memopt.transform import MemoryOptimization
 
@@ -41,7 +41,7 @@ class Column:
     peak_phase: str
     measured_peak: int  # above what was alive before the step: CUDA max allocated, or live tensor bytes on CPU
     compile_seconds: float
-    schedule: tuple  # thunder_memopt.schedule.ScheduleResult of the forward and backward, if it ran
+    schedule: tuple  # thunder_memopt.passes.schedule.ScheduleResult of the forward and backward, if it ran
 
 
 def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int]) -> Column:

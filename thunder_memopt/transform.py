@@ -4,21 +4,21 @@ Before Thunder's autodiff, the computation trace goes through one pass:
 
 0. ``loss_head``: where ``linear_cross_entropy_ex`` is in the executor list, each
    ``linear -> cross_entropy`` becomes the fused loss head, which never holds the logits
-   (thunder_memopt.loss_head).
+   (thunder_memopt.passes.loss_head).
 
 Thunder then hands every transform the forward trace and the backward trace of each compiled
 function, after its own optimization and ``del_last_used``. The other passes run there, in order:
 
 1. ``recompute``: choose, by a min-cut over real tensor bytes, what the forward saves for backward,
-   and recompute the rest in the backward (thunder_memopt.recompute). Where thunder_memopt's fusion
+   and recompute the rest in the backward (thunder_memopt.passes.recompute). Where thunder_memopt's fusion
    executor is in the executor list, the pass takes its regions apart first, so that it cuts
    between ops rather than regions, and fuses again after (thunder_memopt.executors.fusion): the
    replayed ops in regions of their own, which the backward replays whole, so that replayed values
    are the forward's bit for bit.
 2. ``collectives``: for thunder fsdp, just-in-time all-gathers, ZeRO-3 re-gathers in backward and
-   early reduce-scatters (thunder_memopt.collectives).
+   early reduce-scatters (thunder_memopt.passes.collectives).
 3. ``schedule``: reorder each trace (inference traces too) to lower its peak of live bytes
-   (thunder_memopt.schedule); the latest function's results are kept in ``schedule_results``. It runs
+   (thunder_memopt.passes.schedule); the latest function's results are kept in ``schedule_results``. It runs
    last so that it prices the frees the collectives pass made early, and it keeps the collectives
    where that pass put them.
 
@@ -43,10 +43,11 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_memopt import collectives, loss_head, recompute, schedule
-from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.core.memory import backward_storages
+from thunder_memopt.core.trace import replay_in_backward, saved_proxies, strip_deletions, tensor_args, tensor_outs
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
-from thunder_memopt.memory import backward_storages, saved_proxies, strip_deletions, tensor_args, tensor_outs
+from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.passes import collectives, loss_head, recompute, schedule
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
@@ -206,7 +207,7 @@ class MemoryOptimization(Transform):
             pair.returned.scopes = [pair.returned.bound_symbols]
         plan = pending.plans[k]
         with self._timed("recompute"):
-            backward = recompute.replay_in_backward(flat, key=plan.key, saved=plan.saved, replayed=replays,
+            backward = replay_in_backward(flat, key=plan.key, saved=plan.saved, replayed=replays,
                                                     what="recompute")
         if fusion is not None:
             with self._timed("fusion"):

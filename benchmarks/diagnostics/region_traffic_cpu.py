@@ -17,8 +17,8 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_memopt import MemoryOptimization
 from thunder_memopt.arguments import positive_int
+from thunder_memopt.core.memory import tensor_nbytes
 from thunder_memopt.executors import InductorFusionExecutor, linear_cross_entropy_ex
-from thunder_memopt.memory import tensor_nbytes
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 
 MIB = 2**20

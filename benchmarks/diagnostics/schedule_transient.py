@@ -16,7 +16,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from _train import train_step  # noqa: E402
 from thunder_memopt import MemoryOptimization  # noqa: E402
-from thunder_memopt.memory import estimate_memory  # noqa: E402
+from thunder_memopt.core.memory import estimate_memory  # noqa: E402
 
 MIB = 2**20
 

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/diagnostics/thunder_fsdp_unsharded_bytes.py [--n-layer 8 --block-size 128]
 
 Runs one training step of the real-width model on CPU (gloo) for ZERO2 and ZERO3 and prints, from
-rank 0, what thunder_memopt.collectives.collective_bytes_at_peak reads off the forward and backward
+rank 0, what thunder_memopt.passes.collectives.collective_bytes_at_peak reads off the forward and backward
 traces: the most all-gathered parameter bytes and the most unsharded gradient bytes alive at any
 point (these do not depend on the sequence length), and the all-gathered weights saved for
 backward (what ZeRO-3's plan would replace by shards: collectives.plan_zero3).
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from thunder.distributed import FSDPType, fsdp
 
 from thunder_memopt import MemoryOptimization
-from thunder_memopt.collectives import collective_bytes_at_peak, plan_zero3
 from thunder_memopt.models import build_model, narrow_config, random_batch
+from thunder_memopt.passes.collectives import collective_bytes_at_peak, plan_zero3
 
 GIB = 2**30
 

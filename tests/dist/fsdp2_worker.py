@@ -27,7 +27,8 @@ import thunder_memopt.backend as backend_module
 from thunder.dynamo import ThunderCompiler
 from thunder_memopt.backend import keep_collectives_out_of_thunder
 from _common import finish, max_grad_diff
-from thunder_memopt.memory import saved_for_backward, storage_roots, trace_inputs
+from thunder_memopt.core.memory import saved_for_backward, storage_roots
+from thunder_memopt.core.trace import trace_inputs
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 CONFIG = narrow_config("pythia-14m", n_layer=2, n_embd=256, block_size=128)

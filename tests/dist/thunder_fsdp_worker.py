@@ -15,8 +15,9 @@ import torch.distributed as dist
 import thunder
 from thunder.distributed import FSDPType, fsdp
 
-from thunder_memopt.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, collective_bytes_at_peak
-from thunder_memopt.memory import saved_for_backward, storage_roots, strip_deletions, tensor_args
+from thunder_memopt.core.memory import saved_for_backward, storage_roots
+from thunder_memopt.core.trace import strip_deletions, tensor_args
+from thunder_memopt.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, collective_bytes_at_peak
 from _common import finish, max_grad_diff
 from thunder_memopt.models import build_model, narrow_config, random_batch
 from thunder_memopt.transform import MemoryOptimization

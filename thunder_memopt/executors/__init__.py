@@ -20,8 +20,8 @@ from __future__ import annotations
 import thunder
 from thunder.extend import Executor
 
-from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy, linear_cross_entropy_ex
+from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
 from thunder_memopt.executors.fusion import (
     CompileStats,
     InductorFusionExecutor,

@@ -21,7 +21,7 @@ Two ways in:
   for loops that compute the loss outside the compiled model;
 - the Thunder symbol ``memopt_linear_cross_entropy`` of ``linear_cross_entropy_ex``, which
   MemoryOptimization's ``loss_head`` pass puts in place of ``linear -> cross_entropy`` in a trace
-  (thunder_memopt.loss_head). Its grad transform saves what the backward above needs.
+  (thunder_memopt.passes.loss_head). Its grad transform saves what the backward above needs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_memopt.memory import WORKSPACE_BYTES
+from thunder_memopt.core.memory import WORKSPACE_BYTES
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "REDUCTIONS"]
 

@@ -2,7 +2,7 @@
 
 Without nvFuser, Thunder runs every decomposed op alone: each cast to fp32, each multiply of a
 LayerNorm, GELU or rotary embedding reads and writes a whole activation, and on an H200 that is half
-of a stablecode step. This executor claims the ops that ``thunder_memopt.ops.fusible_name`` admits
+of a stablecode step. This executor claims the ops that ``thunder_memopt.core.ops.fusible_name`` admits
 (elementwise ops, casts, views, the norms' reductions, cat/pad, softmax and the cross-entropy's
 pieces) and never matmuls, attention, embeddings, random ops, collectives or in-place ops. Each
 maximal run of claimed ops becomes a region compiled by inductor, as by Thunder's ``torch_compile_ex``
@@ -40,8 +40,8 @@ from thunder.executors.torchex import no_autocast
 from thunder.executors.utils import Region
 from thunder.extend import ImplInfo
 
-from thunder_memopt.memory import replace_bound_symbols, strip_deletions
-from thunder_memopt.ops import fusible_name, leaf_names, moves_data
+from thunder_memopt.core.ops import fusible_name, leaf_names, moves_data
+from thunder_memopt.core.trace import replace_bound_symbols, strip_deletions
 
 __all__ = ["EAGER_NUMERICS", "CompileStats", "InductorFusionExecutor", "compile_stats", "reset_compile_stats"]
 

@@ -15,7 +15,7 @@ The pass works on an executed forward, backward or inference trace, in the style
    effects (random ops, RNG state, prints, in-place ops keep their relative order, so numerics stay
    bit-identical), for collectives (fixed points: the collectives pass placed them for overlap and
    for memory, and no op crosses one) and for unpacking (first) and the return (last);
-2. price an order with the shared memory model (``thunder_memopt.memory``: storages, not proxies;
+2. price an order with the shared memory model (``thunder_memopt.core.memory``: storages, not proxies;
    a view keeps its base alive; in a backward, the saved tensors live in the forward's storages,
    so a tensor saved with its view is freed once both are read), re-implemented over integer ids
    so that one order costs O(n);
@@ -45,20 +45,16 @@ from thunder.core import prims
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
-from thunder_memopt.memory import (
-    KnownStorages,
-    TensorInfo,
-    _source_of,
+from thunder_memopt.core.memory import KnownStorages, TensorInfo, is_parameter, storage_nbytes, storage_roots
+from thunder_memopt.core.ops import SIDE_EFFECT_NAMES, is_collective, is_random, normalized, op_names, symbols
+from thunder_memopt.core.trace import (
     is_bookkeeping,
-    is_parameter,
     replace_bound_symbols,
-    storage_nbytes,
-    storage_roots,
+    source_of,
     strip_deletions,
     tensor_args,
     tensor_outs,
 )
-from thunder_memopt.ops import SIDE_EFFECT_NAMES, is_collective, is_random, normalized, op_names, symbols
 
 __all__ = [
     "ScheduleGraph",
@@ -72,7 +68,7 @@ __all__ = [
 
 Order = list[int]
 
-# Collectives (thunder_memopt.ops) are fixed points: the collectives pass placed them (just-in-time
+# Collectives (thunder_memopt.core.ops) are fixed points: the collectives pass placed them (just-in-time
 # gathers, early reduce-scatters), so no op crosses one, and the schedule reorders between them.
 _SIDE_EFFECT_TAGS = {
     prims.OpTags.RANDOM_OP,
@@ -562,7 +558,7 @@ def schedule_trace(trace: TraceCtx, known_storages: KnownStorages | None = None)
         peak_before=before,
         peak_after=peak,
         peak_op=None if peak_bsym is None else peak_bsym.sym.name,
-        peak_source=None if peak_bsym is None else _source_of(peak_bsym),
+        peak_source=None if peak_bsym is None else source_of(peak_bsym),
         method=method,
         seconds=time.perf_counter() - start,
     )

@@ -27,12 +27,20 @@ from enum import Enum
 
 from thunder.core import prims
 from thunder.core.proxies import ProxyTag, TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.executors.torch_compile import TorchCompileExecutor
 
-from thunder_memopt.ops import symbols
+from thunder_memopt.core.trace import (
+    DELETION_NAMES,
+    is_bookkeeping,
+    received_tensors,
+    saved_proxies,
+    source_of,
+    tensor_args,
+    tensor_outs,
+    trace_inputs,
+)
 
 __all__ = [
     "TensorInfo",
@@ -49,21 +57,8 @@ __all__ = [
     "saved_for_backward",
     "estimate_step",
     "backward_storages",
-    "strip_deletions",
-    "is_bookkeeping",
 ]
 
-# Bound symbols that allocate nothing and are not computation.
-_BOOKKEEPING_IDS = {
-    prims.PrimIDs.RETURN,
-    prims.PrimIDs.UNPACK_TRIVIAL,
-    prims.PrimIDs.UNPACK_SEQUENCE,
-    prims.PrimIDs.UNPACK_KEY,
-    prims.PrimIDs.UNPACK_EMPTY_DICT,
-    prims.PrimIDs.DEL,
-}
-_UNPACK_IDS = (prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.UNPACK_TRIVIAL)
-_DELETION_NAMES = {"python_del", "del", "clear_mutable_collection"}
 
 # In-place ops return (an alias of) the argument at this position.
 _INPLACE_TARGET = {"copy_": 1}
@@ -91,25 +86,12 @@ _VIEW_PRIM_IMPLS = {
 Strides = tuple[int, ...]
 
 
-def is_bookkeeping(bsym: BoundSymbol) -> bool:
-    """Unpacking, return and deletion: symbols that compute nothing."""
-    return bsym.sym.id in _BOOKKEEPING_IDS or bsym.sym.name in _DELETION_NAMES
-
-
 def tensor_nbytes(t: TensorProxy) -> int:
     """Bytes of a tensor proxy: numel times the dtype's width."""
     # The proxy's own field: ``t.numel`` goes through TensorProxy.__getattr__, a tenth of the
     # memory model's time on long traces.
     numel = t._numel if isinstance(t._numel, int) else t.numel
     return int(numel) * int(t.dtype.bytes)
-
-
-def tensor_args(bsym: BoundSymbol) -> list[TensorProxy]:
-    return [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
-
-
-def tensor_outs(bsym: BoundSymbol) -> list[TensorProxy]:
-    return [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
 
 
 def contiguous_strides(shape: Sequence[int]) -> Strides:
@@ -250,27 +232,6 @@ class TensorInfo:
     source: str | None  # "file:line" of the user code that produced it
 
 
-def _source_of(bsym: BoundSymbol) -> str | None:
-    if bsym.source_filename is None:
-        return None
-    line = bsym.source_positions.lineno if bsym.source_positions is not None else "?"
-    return f"{bsym.source_filename}:{line}"
-
-
-def trace_inputs(trace: TraceCtx) -> list[TensorProxy]:
-    """The tensor proxies a trace receives: its arguments, including those inside collections."""
-    flat, _ = tree_flatten((trace.args, trace.kwargs))
-    return [a for a in flat if isinstance(a, TensorProxy)]
-
-
-def received_tensors(trace: TraceCtx, bsyms: Sequence[BoundSymbol] | None = None) -> list[TensorProxy]:
-    """The tensors a trace receives: its arguments and, in a backward trace, the saved tensors that
-    its unpacking introduces."""
-    bsyms = trace.bound_symbols if bsyms is None else bsyms
-    unpacked = [o for b in bsyms if b.sym.id in _UNPACK_IDS for o in tensor_outs(b)]
-    return trace_inputs(trace) + unpacked
-
-
 KnownStorages = Mapping[str, tuple[str, int]]  # input name -> (the input naming its storage, storage bytes)
 
 
@@ -357,7 +318,7 @@ def _symbol_facts(bsym: BoundSymbol) -> _Symbol:
         kind = _Kind.VIEW
     else:
         kind = _Kind.NEW
-    reads = () if name in _DELETION_NAMES else tuple(
+    reads = () if name in DELETION_NAMES else tuple(
         p.name for p in bsym.flat_proxy_args if getattr(p, "name", None) is not None)
     return _Symbol(
         bsym=bsym,
@@ -366,7 +327,7 @@ def _symbol_facts(bsym: BoundSymbol) -> _Symbol:
         outs=tuple(tensor_outs(bsym)),
         reads=reads,
         producer=name,
-        source=_source_of(bsym),
+        source=source_of(bsym),
         lookups=tuple(dict.fromkeys(_decomposition_tensors(bsym))) if kind is _Kind.VIEW else (),
         views={},
         workspace=_workspace_bytes(bsym),
@@ -561,7 +522,7 @@ def estimate_memory(
     if inputs_freed is None:
         inputs_freed = TraceTag.BACKWARD in trace.tags
     facts = SymbolFacts() if facts is None else facts
-    bsyms = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
+    bsyms = [b for b in trace.bound_symbols if b.sym.name not in DELETION_NAMES]
     storages = _storages(trace, bsyms, known_storages, facts) if infos is None else _Storages.of(infos)
     root, made_at = storages.root, storages.made_at
     symbols = [facts.symbol(b) for b in bsyms]
@@ -603,7 +564,7 @@ def estimate_memory(
         peak_bytes=peak,
         peak_index=peak_k,
         peak_op=None if peak_bsym is None else peak_bsym.sym.name,
-        peak_source=None if peak_bsym is None else _source_of(peak_bsym),
+        peak_source=None if peak_bsym is None else source_of(peak_bsym),
         live_bytes=tuple(live),
         input_bytes=input_bytes,
         output_bytes=output_bytes,
@@ -658,15 +619,6 @@ class SavedInventory:
             g[1] += 1
         rows = [(op, src, b, c) for (op, src), (b, c) in groups.items()]
         return sorted(rows, key=lambda r: -r[2])
-
-
-def saved_proxies(forward_trace: TraceCtx) -> tuple[list, list]:
-    """The (tensors, others) that a forward trace returns for backward."""
-    ret = forward_trace.bound_symbols[-1]
-    if ret.sym.id != prims.PrimIDs.RETURN or TraceTag.AUGMENTED_FORWARD not in forward_trace.tags:
-        raise ValueError("not an augmented forward trace: it returns nothing for backward")
-    tensors, others = ret.args[1]
-    return list(tensors), list(others)
 
 
 def is_parameter(t: TensorProxy, parameter_names: Iterable[str] | None = None) -> bool:
@@ -767,31 +719,3 @@ def _saved_storages(saved: SavedInventory, backward_trace: TraceCtx) -> dict[str
         if t.name in received:
             storages[t.name] = (named_by.setdefault(t.storage, t.name), t.storage_nbytes)
     return storages
-
-
-def strip_deletions(trace: TraceCtx) -> TraceCtx:
-    """A copy of the trace without ``del`` and ``clear_mutable_collection``, ready to reorder."""
-    from thunder.core.trace import from_trace
-
-    new = from_trace(trace)
-    new.bound_symbols = [b for b in trace.bound_symbols if b.sym.name not in _DELETION_NAMES]
-    return new
-
-
-def replace_bound_symbols(
-    trace: TraceCtx, bsyms: Sequence[BoundSymbol], provenance: str, *, deletions: bool = True
-) -> TraceCtx:
-    """A copy of ``trace`` with new bound symbols, deletions re-inserted by ``del_last_used``; without
-    them if not ``deletions`` (a trace only to be priced: the memory model ignores deletions)."""
-    from thunder.core.trace import TraceProvenance, from_trace
-    from thunder.executors.passes import del_last_used
-
-    new = from_trace(trace)
-    new.bound_symbols = [b for b in bsyms if b.sym.name not in _DELETION_NAMES]
-    new.set_provenance(TraceProvenance(provenance))
-    if not deletions:
-        return new
-    is_backward = TraceTag.BACKWARD in trace.tags
-    out = del_last_used(new, clear_mutable_collections=is_backward)
-    out.set_provenance(TraceProvenance(provenance))
-    return out

@@ -12,7 +12,7 @@ compute (its inputs and the outputs of ops that must not be recomputed) and what
 the cheap ops behind the cut are replayed in the backward, each just before its first reader, from
 the same executor symbols that ran in the forward, so numerics are unchanged.
 
-Which ops may be replayed depends on ``activation_budget`` (see ``thunder_memopt.ops.op_kind``): at 1.0 cheap ops only
+Which ops may be replayed depends on ``activation_budget`` (see ``thunder_memopt.core.ops.op_kind``): at 1.0 cheap ops only
 (elementwise, casts, views, norms, activations, rotary, masks); below it also matmuls and attention,
 the cheapest FLOPs first, until the saved bytes fall to the budget's share between the two extremes.
 Random ops, collectives, in-place ops and anything not recognised are never replayed: they are
@@ -21,8 +21,8 @@ saved, as before.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 import dataclasses
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -30,27 +30,20 @@ from networkx.algorithms.flow import boykov_kolmogorov
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, TraceTag, from_trace
-from thunder.core.transforms import (
-    _update_backward_with_new_saved_for_backward,
-    _update_forward_with_new_saved_for_backward,
-)
+from thunder.core.trace import TraceCtx, from_trace
 
-from thunder_memopt.memory import (
-    SymbolFacts,
-    TensorInfo,
-    estimate_step,
+from thunder_memopt.core.memory import SymbolFacts, TensorInfo, estimate_step, is_parameter, storage_roots
+from thunder_memopt.core.ops import OpKind, moves_data, op_kind, op_names
+from thunder_memopt.core.trace import (
     is_bookkeeping,
-    is_parameter,
-    replace_bound_symbols,
+    replay_in_backward,
+    save_in_forward,
     saved_proxies,
-    storage_roots,
     strip_deletions,
     tensor_args,
     tensor_outs,
     trace_inputs,
 )
-from thunder_memopt.ops import OpKind, moves_data, op_kind, op_names
 
 __all__ = [
     "RecomputePlan",
@@ -59,8 +52,6 @@ __all__ = [
     "choose_by_budget",
     "apply_to_forward",
     "apply_to_backward",
-    "replay_in_backward",
-    "save_in_forward",
 ]
 
 
@@ -412,85 +403,9 @@ def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan, *, deletions:
     return save_in_forward(forward_trace, plan.saved, what="recompute", deletions=deletions)
 
 
-def save_in_forward(
-    forward_trace: TraceCtx, saved: Sequence[TensorProxy], *, what: str, deletions: bool = True
-) -> TraceCtx:
-    """The forward returning ``saved`` as its saved tensors, deletions placed anew (unless not
-    ``deletions``: a trace only to be priced)."""
-    new = strip_deletions(forward_trace)
-    _, others = saved_proxies(forward_trace)
-    _update_forward_with_new_saved_for_backward(new, [*saved, *others])
-    return replace_bound_symbols(new, new.bound_symbols, f"thunder_memopt {what}: new saved set (forward)",
-                                 deletions=deletions)
-
-
 def apply_to_backward(backward_trace: TraceCtx, plan: RecomputePlan, *, deletions: bool = True) -> TraceCtx:
     """The backward trace receiving ``plan.saved`` and replaying ``plan.recompute`` as needed."""
     return replay_in_backward(
         backward_trace, key=plan.key, saved=plan.saved, replayed=plan.recompute, what="recompute",
         deletions=deletions,
     )
-
-
-def replay_in_backward(
-    backward_trace: TraceCtx,
-    *,
-    key: Sequence[str],
-    saved: Sequence[TensorProxy],
-    replayed: Sequence[BoundSymbol],
-    what: str,
-    deletions: bool = True,
-) -> TraceCtx:
-    """The backward receiving ``saved`` instead of ``key`` and running each of ``replayed`` (forward
-    symbols, in forward order) just before the first symbol that reads what it produces; deletions
-    placed anew unless not ``deletions``: a trace only to be priced, which shares the replayed
-    symbols with the forward rather than running copies of them."""
-    if TraceTag.BACKWARD not in backward_trace.tags:
-        raise ValueError("replay_in_backward needs a backward trace")
-    saved_tensors, saved_others = backward_trace.args[0]
-    received = tuple(t.name for t in saved_tensors)
-    if received != tuple(key):
-        raise RuntimeError(
-            "thunder_memopt: the backward trace does not receive the tensors its forward saved "
-            f"({len(received)} received, {len(key)} saved); refusing to {what}"
-        )
-    new = strip_deletions(backward_trace)
-    _update_backward_with_new_saved_for_backward(new, [*saved, *saved_others])
-    # Shared, a symbol's flattened arguments are read once for every rung the ladder prices.
-    copy = BoundSymbol.from_bsym if deletions else lambda b: b
-    producer = {o.name: b for b in replayed for o in b.flat_proxy_outs if hasattr(o, "name")}
-    position = {id(b): i for i, b in enumerate(replayed)}
-    emitted: set[int] = set()
-    # A fused backward can compute some forward values itself (Thunder splits a joint trace whose
-    # regions hold them): what it has computed by then is not replayed again.
-    available: set[str] = set()
-    out: list[BoundSymbol] = []
-    for bsym in new.bound_symbols:
-        outs = [o.name for o in bsym.flat_proxy_outs if hasattr(o, "name")]
-        if outs and available.issuperset(outs) and op_kind(bsym) is OpKind.CHEAP:
-            continue  # the backward's own later copy of a value replayed already
-        for b in sorted(_replay_chain(bsym, producer, emitted, available), key=lambda b: position[id(b)]):
-            emitted.add(id(b))
-            out.append(copy(b))
-            available.update(o.name for o in b.flat_proxy_outs if hasattr(o, "name"))
-        out.append(bsym)
-        available.update(outs)
-    return replace_bound_symbols(new, out, f"thunder_memopt {what}: replay in backward", deletions=deletions)
-
-
-def _replay_chain(
-    bsym: BoundSymbol, producer: dict[str, BoundSymbol], emitted: set[int], available: set[str]
-) -> list[BoundSymbol]:
-    """The not-yet-emitted replayed symbols that ``bsym`` reads, transitively (futures included),
-    short of what is ``available`` already."""
-    chain: dict[int, BoundSymbol] = {}
-    # Most symbols read nothing replayed: only names a replayed symbol makes start the walk.
-    stack = [a.name for a in bsym.flat_proxy_args if getattr(a, "name", None) in producer and a.name not in available]
-    while stack:
-        name = stack.pop()
-        p = None if name in available else producer.get(name)
-        if p is None or id(p) in emitted or id(p) in chain:
-            continue
-        chain[id(p)] = p
-        stack.extend(a.name for a in p.flat_proxy_args if hasattr(a, "name"))
-    return list(chain.values())

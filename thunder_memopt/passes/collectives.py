@@ -31,17 +31,17 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
-from thunder_memopt.memory import (
-    estimate_memory,
+from thunder_memopt.core.memory import estimate_memory, storage_roots
+from thunder_memopt.core.trace import (
     is_bookkeeping,
     replace_bound_symbols,
+    replay_in_backward,
+    save_in_forward,
     saved_proxies,
-    storage_roots,
     strip_deletions,
     tensor_args,
     tensor_outs,
 )
-from thunder_memopt.recompute import replay_in_backward, save_in_forward
 
 __all__ = [
     "ALL_GATHER",
