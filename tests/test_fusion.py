@@ -15,6 +15,8 @@ import thunder_memopt.transform as transform_module
 from _train import assert_same_numerics, shared_train_step, train_step
 from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
 from thunder_memopt.core.memory import tensor_nbytes
+from thunder_memopt.core.ops import unclassified_names
+from thunder_memopt.core.trace import is_bookkeeping
 from thunder_memopt.executors import (
     InductorFusionExecutor,
     cudnn_attention_ex,
@@ -66,6 +68,8 @@ def test_fusion_with_and_without_memopt_is_close_to_plain_thunder_and_saves_no_m
             assert error <= GRAD_RELATIVE_ERROR, (name, error.item())
         check_trace(step.forward_trace)
         check_trace(step.backward_trace)
+        for trace in (step.forward_trace, step.backward_trace):  # regions are named by what they hold
+            assert [n for b in trace.bound_symbols if not is_bookkeeping(b) for n in unclassified_names(b)] == []
         forward, backward = _regions(step.forward_trace), _regions(step.backward_trace)
         assert forward and backward
         # Every layer's regions are the same ops on the same shapes: they share compiled functions.

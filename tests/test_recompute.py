@@ -10,6 +10,7 @@ from _train import assert_same_numerics, h_bytes_per_layer, shared_train_step, t
 from thunder_memopt import MemoryOptimization, thunderfx_backend
 from thunder_memopt.core import ops
 from thunder_memopt.core.memory import estimate_step, saved_for_backward
+from thunder_memopt.core.trace import is_bookkeeping
 from thunder_memopt.passes import recompute
 
 STABLECODE, PYTHIA, LLAMA = "stablecode-completion-alpha-3b", "pythia-160m", "Llama-3-8B"
@@ -28,6 +29,15 @@ def test_loss_and_gradients_bit_identical_to_plain_thunder(model_name):
     optimized = shared_train_step(model_name, {"passes": ("recompute",)})
     assert_same_numerics(plain, optimized)
     assert optimized.saved_bytes < plain.saved_bytes
+
+
+@pytest.mark.parametrize("model_name", [STABLECODE, LLAMA, "falcon-7b"])
+def test_the_taxonomy_names_every_op_of_the_traces(model_name):
+    # The steps of the test above: an op the taxonomy does not name fails here rather than being
+    # guessed (it would be saved, never replayed, and never fused).
+    for step in (shared_train_step(model_name), shared_train_step(model_name, {"passes": ("recompute",)})):
+        for trace in (step.forward_trace, step.backward_trace):
+            assert [n for b in trace.bound_symbols if not is_bookkeeping(b) for n in ops.unclassified_names(b)] == []
 
 
 # At the default budget every layer saves the same bytes (the marginal from one to two layers, two

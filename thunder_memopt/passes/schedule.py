@@ -46,7 +46,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
 from thunder_memopt.core.memory import KnownStorages, TensorInfo, is_parameter, storage_nbytes, storage_roots
-from thunder_memopt.core.ops import SIDE_EFFECT_NAMES, is_collective, is_random, normalized, op_names, symbols
+from thunder_memopt.core.ops import SIDE_EFFECT_NAMES, is_collective, is_random, normalized, symbols
 from thunder_memopt.core.trace import (
     is_bookkeeping,
     replace_bound_symbols,
@@ -92,7 +92,7 @@ _PRICING_BUDGET = 2_000_000
 
 def has_side_effects(bsym: BoundSymbol) -> bool:
     """Random, RNG-state, collective, in-place, sync or printing ops, at any level of a bound symbol."""
-    if is_random(bsym) or is_collective(bsym) or any("philox" in n for n in op_names(bsym)):
+    if is_random(bsym) or is_collective(bsym):
         return True
     for sym in symbols(bsym):
         if normalized(sym.name) in SIDE_EFFECT_NAMES:
