@@ -22,13 +22,15 @@ sys.path.insert(0, str(REPOSITORY))
 
 from benchmarks.fsdp2 import driver, search, tables, worker  # noqa: E402
 from benchmarks.fsdp2.trial import (  # noqa: E402
-    LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload, load_rows)
+    HOST_MEMORY_FIELDS, LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload,
+    load_rows)
 
 SMOKE_BACKENDS = ("eager", "thunder", "thunder+memopt")
 REQUIRED_KEYS = {
     "backend", "budget", "model", "n_layer", "n_embd", "block_size", "micro_batch_size", "distributed_mode",
     "shard_mode", "world_size", "gpu", "torch", "thunder", "litgpt", "memopt_tree", "date", "status", "loss", "step_ms",
     "tokens_per_s_per_gpu", "first_step_s", "saved_bytes_per_layer", "saved_h_bytes", *MEMORY_FIELDS,
+    *HOST_MEMORY_FIELDS,
 }
 BF16_LOSS_RTOL = 0.02
 SMOKE_TIMEOUT_S = 300
@@ -56,6 +58,10 @@ def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
         assert row["step_ms"] > 0 and row["tokens_per_s_per_gpu"] > 0 and row["saved_bytes_per_layer"] > 0
         # No CUDA allocator on CPU: the memory fields are null, not made up.
         assert all(row[field] is None for field in MEMORY_FIELDS)
+        # The host's are measured: each rank's peak resident set (a process that imported torch and
+        # trained holds well over 100 MiB), and no pinned allocator on CPU.
+        assert row["host_rss_peak_max"] >= row["host_rss_peak_rank0"] > 100 * 2**20
+        assert row["host_pinned_peak_max"] is None and row["host_pinned_peak_rank0"] is None
         assert row["profile"]["top_cpu_ms"] and row["profile"]["gpu_busy_fraction"] is None
     assert rows[-1]["budget"] == 1.0
     # The passes' compile-time cost is reported; on CPU the fusion executor (CUDA's) claims nothing,
