@@ -26,6 +26,9 @@
 #   zero3-autocast  thunder and thunder+memopt, fp32 parameters under bf16 autocast, FSDP2 zero3, T=8192
 #   thunder-fsdp    thunder and thunder+memopt under thunder.distributed.fsdp, ZERO2 and ZERO3, T=8192
 #   single-h200     one GPU, thunder.jit, 4 layers, T=8192: thunder, thunder+memopt, and recompute only
+#   sc32-per-token  one GPU, FSDP2 with one rank, stablecode 32 layers, zero2, in-graph loss, T=8192 and 16384
+#                   in one invocation: memory per token of eager-ac, inductor, inductor-budget at 0.0 and
+#                   thunder+memopt at 1.0 and 0.0 (issue 16's acceptance; several chunks of --time-limit)
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -40,12 +43,16 @@ mkdir -p "$OUT"
 # Every backend, from the benchmark's registry (benchmarks/fsdp2/backends.py), in its order.
 ALL_BACKENDS=($("$PYTHON" -m benchmarks.fsdp2.backends))
 
-# The driver runs as plain python (it starts a fresh torchrun of 2 ranks per row), so that its
+# The driver runs as plain python (it starts a fresh torchrun of N ranks per row), so that its
 # exit code 3 reaches this script; under an outer torchrun it would read as a failed worker.
-bench() {
-    "$PYTHON" benchmarks/benchmark_fsdp2.py --nproc-per-node 2 --resume --time-limit "$TIME_LIMIT_MIN" \
+bench_ranks() {  # ranks, then the benchmark's options
+    local ranks=$1
+    shift
+    "$PYTHON" benchmarks/benchmark_fsdp2.py --nproc-per-node "$ranks" --resume --time-limit "$TIME_LIMIT_MIN" \
         ${LOG_DIR:+--log-dir "$LOG_DIR"} "$@"
 }
+
+bench() { bench_ranks 2 "$@"; }
 
 stablecode_8_layers() {  # block size, shard mode, setup name in the file (stablecode_8l_NAME_T...), more options
     local block_size=$1 shard_mode=$2 setup=$3
@@ -102,6 +109,15 @@ case "$GROUP" in
                 --block-size 8192 --compile thunder thunder+memopt --memopt-passes $passes \
                 --out "$OUT/stablecode_4l_single_h200_T8192.jsonl"
         done ;;
+    sc32-per-token)
+        # One --compile list and both block sizes, so that every slope and ratio is between rows of one
+        # invocation (tables.same_invocation: the same command line, within an hour). The budgets are
+        # the registry's flags (python -m benchmarks.fsdp2.backends). thunder+memopt's offload setting
+        # (issue 16, item 2) joins this list once it exists.
+        CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
+            --block-size 8192 16384 --shard-mode zero2 --loss-mode in-graph \
+            --compile eager-ac inductor inductor-budget thunder+memopt --inductor-budget 0.0 --memopt-budget 1.0 0.0 \
+            --out "$OUT/stablecode_32l_zero2_1xH200_per_token.jsonl" ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

@@ -22,13 +22,15 @@ sys.path.insert(0, str(REPOSITORY))
 
 from benchmarks.fsdp2 import driver, search, tables, worker  # noqa: E402
 from benchmarks.fsdp2.trial import (  # noqa: E402
-    LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload, load_rows)
+    HOST_MEMORY_FIELDS, LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload,
+    load_rows)
 
 SMOKE_BACKENDS = ("eager", "thunder", "thunder+memopt")
 REQUIRED_KEYS = {
     "backend", "budget", "model", "n_layer", "n_embd", "block_size", "micro_batch_size", "distributed_mode",
     "shard_mode", "world_size", "gpu", "torch", "thunder", "litgpt", "memopt_tree", "date", "status", "loss", "step_ms",
     "tokens_per_s_per_gpu", "first_step_s", "saved_bytes_per_layer", "saved_h_bytes", *MEMORY_FIELDS,
+    *HOST_MEMORY_FIELDS,
 }
 BF16_LOSS_RTOL = 0.02
 SMOKE_TIMEOUT_S = 300
@@ -56,6 +58,10 @@ def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
         assert row["step_ms"] > 0 and row["tokens_per_s_per_gpu"] > 0 and row["saved_bytes_per_layer"] > 0
         # No CUDA allocator on CPU: the memory fields are null, not made up.
         assert all(row[field] is None for field in MEMORY_FIELDS)
+        # The host's are measured: each rank's peak resident set (a process that imported torch and
+        # trained holds well over 100 MiB), and no pinned allocator on CPU.
+        assert row["host_rss_peak_max"] >= row["host_rss_peak_rank0"] > 100 * 2**20
+        assert row["host_pinned_peak_max"] is None and row["host_pinned_peak_rank0"] is None
         assert row["profile"]["top_cpu_ms"] and row["profile"]["gpu_busy_fraction"] is None
     assert rows[-1]["budget"] == 1.0
     # The passes' compile-time cost is reported; on CPU the fusion executor (CUDA's) claims nothing,
@@ -294,6 +300,63 @@ def test_ratios_pair_only_rows_of_one_invocation():
              "date": "2026-12-01T12:00:00"}]
     lines = tables.ratios(rows, "inductor").splitlines()[4:]
     assert lines == ["| 128 | thunder | 0.75x (3.00 / 4.00 GiB) | 1.100x (55.0 / 50.0 ms) | 10.0 / 10.0 | 2026-12-01 10:00 |"]
+
+
+def _per_token_rows(peaks: dict[str, tuple[float | None, float | None]], **fields) -> list[dict]:
+    """Rows of one invocation at T=8192 and 16384: ``peaks`` gives each backend label's (a backend,
+    or ``thunder+memopt@BUDGET``) peak allocated bytes at the two; ``fields`` override every row."""
+    run = {**TABLE_ROW, "world_size": 1, "command": "benchmark_fsdp2.py --block-size 8192 16384", "step_ms": 900.0,
+           "first_step_s": 30.0, **fields}
+    rows = []
+    for index, block_size in enumerate((8192, 16384)):
+        for minute, (name, peak) in enumerate(peaks.items()):
+            backend, _, budget = name.partition("@")
+            rows.append({**run, "backend": backend, "budget": float(budget) if budget else None, "fusion": "on",
+                         "block_size": block_size, "peak_alloc_max": peak[index],
+                         "date": f"2026-12-01T10:{10 * index + minute:02d}:00+00:00"})
+    return rows
+
+
+def test_memory_per_token_is_the_slope_of_the_peak_between_two_block_sizes(tmp_path, capsys):
+    """Peaks 3 MB and 1.5 MB per token apart over 8192 tokens give those slopes (MB = 10^6 bytes),
+    and with --against the second is 0.50x the first; a backend from another invocation gets no
+    slope, and one that ran out of memory at the longer T none either."""
+    gib = tables.GIB
+    rows = _per_token_rows({"inductor": (40 * gib, 40 * gib + 8192 * 3e6),
+                            "thunder+memopt@1.0": (30 * gib, 30 * gib + 8192 * 1.5e6), "eager-ac": (20 * gib, None)})
+    rows[-1]["status"] = "OOM"  # eager-ac at 16384
+    rows.append({**rows[0], "backend": "eager", "block_size": 16384, "command": "another invocation"})
+    slopes = {slope.label: slope for slope in tables.token_slopes(rows)}
+    assert set(slopes) == {"inductor", "thunder+memopt @1", "eager-ac"}
+    assert slopes["inductor"].bytes_per_token() == pytest.approx(3e6)
+    assert slopes["thunder+memopt @1"].bytes_per_token() == pytest.approx(1.5e6)
+    assert slopes["eager-ac"].bytes_per_token() is None
+    section = tables.per_token_section(rows, base="inductor").split("\n\n")[-1].splitlines()
+    assert section[0] == ("| backend | T=8192: peak GiB | T=16384: peak GiB | memory per token, MB (10^6 bytes) | "
+                          "per token / inductor's | step ms at T=16384 | UTC |")
+    assert section[2:] == [
+        "| eager-ac | 20.00 | OOM | – | – | – | 2026-12-01 10:02 |",
+        "| inductor | 40.00 | 62.89 | 3.00 | 1.00x (3.00 / 3.00 MB) | 900 | 2026-12-01 10:00 |",
+        "| thunder+memopt @1 | 30.00 | 41.44 | 1.50 | 0.50x (1.50 / 3.00 MB) | 900 | 2026-12-01 10:01 |"]
+    results = tmp_path / "rows.jsonl"
+    results.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tables.main([str(results), "--against", "inductor", "--plot", str(tmp_path / "plot.png")])
+    assert "\n".join(section) in capsys.readouterr().out
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    tables.main([str(results)])  # without --against: the slopes, no ratios
+    assert "| inductor | 40.00 | 62.89 | 3.00 | 900 | 2026-12-01 10:00 |" in capsys.readouterr().out
+
+
+def test_memory_per_token_of_cpu_rows_is_not_measured(tmp_path, capsys):
+    """Rows that ran on CPU have no allocator peak: their slope says so, and the plot's panel too."""
+    rows = _per_token_rows({"eager": (None, None), "thunder+memopt@1.0": (None, None)})
+    (slope, _) = tables.token_slopes(rows)
+    assert slope.bytes_per_token() is None and slope.not_measured()
+    lines = tables.per_token_section(rows, base="eager").splitlines()
+    assert lines[-2:] == [f"| eager | – | – | {tables.NOT_MEASURED} | – | 900 | 2026-12-01 10:00 |",
+                          f"| thunder+memopt @1 | – | – | {tables.NOT_MEASURED} | – | 900 | 2026-12-01 10:01 |"]
+    tables.plot(rows, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
 
 
 def test_summary_puts_defaults_first_and_latest_code_leaves_out_rows_before_the_executors(tmp_path, capsys):

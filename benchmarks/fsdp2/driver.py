@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.fsdp2 import backends, tables, worker
-from benchmarks.fsdp2.trial import FINAL_STATUSES, MEMORY_FIELDS, RUN_ROW, Trial, field_value, load_rows
+from benchmarks.fsdp2.trial import (FINAL_STATUSES, HOST_MEMORY_FIELDS, MEMORY_FIELDS, RUN_ROW, Trial, field_value,
+                                    load_rows)
 
 STOP_GRACE_S = 30  # after SIGTERM, before SIGKILL
 LOG_TAIL_LINES = 5  # of a worker's log, in the error of a row whose ranks reported nothing
@@ -256,7 +257,7 @@ class Driver:
             raise TimeLimitReached
         self.longest_trial_s = max(self.longest_trial_s, elapsed)
         row = {**key, **self.context(), "log": str(log_path), "wall_s": elapsed,
-               **dict.fromkeys(MEMORY_FIELDS), **outcome}
+               **dict.fromkeys(MEMORY_FIELDS + HOST_MEMORY_FIELDS), **outcome}
         self.record(key, row)
         print(f"    -> {tables.describe_row(row)} [{elapsed:.0f} s, log {log_path}]", flush=True)
         return row

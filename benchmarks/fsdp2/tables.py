@@ -9,12 +9,18 @@ the files hold reruns of one); a last table holds the --find-max-block-size resu
 prints the same table for the rows of its own run. Backends are listed in the registry's order and
 named by its labels (``backends.label``).
 
+Where one invocation ran a backend at two or more block sizes (``--block-size 8192 16384``), a
+configuration's table is followed by each backend's memory per token: the slope of the peak between
+the shortest and the longest sequence, in MB (10^6 bytes) per token (``TokenSlope``). With
+``--against`` it is also given as a multiple of that backend's slope, and the plot gets a panel of it.
+
 Nothing here imports torch: tables are made anywhere matplotlib is.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +37,7 @@ SETTING_NAMES = {"model": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size"
                  "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
+MB = 10**6  # memory per token is in decimal megabytes, as the issues quote it
 MISSING = "–"
 NOT_MEASURED = "not measured (no CUDA allocator on CPU)"
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -87,13 +94,23 @@ def saved_mib(row: dict) -> str:
     return number(row.get("saved_bytes_per_layer"), ".1f", MIB)
 
 
+def has_peak(row: dict) -> bool:
+    """Whether ``row`` ran ok and has an allocator peak (it ran on a GPU)."""
+    return row["status"] == "ok" and row.get("peak_alloc_max") is not None
+
+
+def gib_pair(row: dict, first: str, second: str) -> str:
+    """Two byte fields of ``row`` in GiB, ``first / second``."""
+    return f"{number(row.get(first), '.2f', GIB)} / {number(row.get(second), '.2f', GIB)}"
+
+
 RUN_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("T", lambda r: str(r["block_size"])),
     ("backend", backends.label),
     ("status", lambda r: r["status"]),
-    ("peak alloc GiB, max / rank 0", lambda r: f"{number(r.get('peak_alloc_max'), '.2f', GIB)} / "
-                                               f"{number(r.get('peak_alloc_rank0'), '.2f', GIB)}"),
+    ("peak alloc GiB, max / rank 0", lambda r: gib_pair(r, "peak_alloc_max", "peak_alloc_rank0")),
     ("peak reserved GiB, max", lambda r: number(r.get("peak_reserved_max"), ".2f", GIB)),
+    ("host peak GiB, RSS / pinned, max", lambda r: gib_pair(r, "host_rss_peak_max", "host_pinned_peak_max")),
     ("step ms", lambda r: number(r.get("step_ms"), ".0f")),
     ("tokens/s/GPU", lambda r: number(r.get("tokens_per_s_per_gpu"), ",.0f")),
     ("saved MiB/layer", saved_mib),
@@ -123,10 +140,10 @@ def table(columns: list[tuple[str, Callable[[dict], str]]], rows: list[dict]) ->
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per configuration, rows by block size in file order, then the --profile tables and
-    the search results."""
+    """One table per configuration, rows by block size in file order (and its memory per token where
+    an invocation ran several block sizes), then the --profile tables and the search results."""
     sections = [f"#### {heading(group[0])}\n\n" + table(RUN_COLUMNS, sorted(group, key=lambda r: r["block_size"]))
-                for group in by_config(rows)]
+                + per_token_section(group) for group in by_config(rows)]
     sections += [profile_section(row) for row in measured_rows(rows) if row.get("profile") and row["status"] == "ok"]
     searches = search_results(rows)
     if searches:
@@ -166,7 +183,7 @@ def summary(rows: list[dict]) -> str:
             for block_size in block_sizes]
         by_label = {backends.label(row): row for row in group}
         labels = sorted(by_label, key=lambda label: summary_order(by_label[label]))  # stable: file order within
-        sections.append(f"#### {heading(group[0])}\n\n" + table(columns, labels))
+        sections.append(f"#### {heading(group[0])}\n\n" + table(columns, labels) + per_token_section(group))
     return "\n\n".join(sections)
 
 
@@ -181,9 +198,15 @@ def same_invocation(a: dict, b: dict) -> bool:
     return a.get("command") == b.get("command") and seconds <= INVOCATION_SECONDS
 
 
+def is_base(row: dict, base: str) -> bool:
+    """Whether ``row`` is of backend ``base`` at its default settings (no budget): what --against compares with."""
+    return row["backend"] == base and row.get("budget") is None
+
+
 def ratios(rows: list[dict], base: str) -> str:
     """Per configuration and block size, each backend's peak and step as a multiple of backend
-    ``base``'s, only between rows of one invocation, and both first steps."""
+    ``base``'s, only between rows of one invocation, and both first steps; then each backend's memory
+    per token as a multiple of ``base``'s, where an invocation ran several block sizes."""
     columns = [("T", lambda pair: str(pair[1]["block_size"])), ("backend", lambda pair: backends.label(pair[1])),
                (f"peak / {base}'s", lambda pair: f"{pair[1]['peak_alloc_max'] / pair[0]['peak_alloc_max']:.2f}x "
                                                  f"({number(pair[1]['peak_alloc_max'], '.2f', GIB)} / "
@@ -195,12 +218,118 @@ def ratios(rows: list[dict], base: str) -> str:
     sections = []
     for group in by_config(rows):
         ok = [row for row in group if row["status"] == "ok" and row.get("step_ms") is not None]
-        pairs = [(b, row) for b in ok if b["backend"] == base and b.get("budget") is None
+        pairs = [(b, row) for b in ok if is_base(b, base)
                  for row in ok if row is not b and row["block_size"] == b["block_size"] and same_invocation(b, row)]
         if pairs:
             pairs.sort(key=lambda pair: (pair[1]["block_size"], summary_order(pair[1])))
-            sections.append(f"#### {heading(group[0])}\n\n" + table(columns, pairs))
+            sections.append(f"#### {heading(group[0])}\n\n" + table(columns, pairs) + per_token_section(group, base))
     return "\n\n".join(sections)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSlope:
+    """One backend's rows (one label: backend, budget and options) from one invocation, at two or
+    more block sizes: its memory per token is the slope of the peak between the shortest and the
+    longest sequence that ran ``ok``."""
+
+    rows: dict[int, dict]  # by block size
+
+    @property
+    def label(self) -> str:
+        return backends.label(self.first)
+
+    @property
+    def first(self) -> dict:
+        return next(iter(self.rows.values()))
+
+    def measured(self) -> list[dict]:
+        """The rows with an allocator peak (``ok``, on a GPU), by block size."""
+        return [self.rows[t] for t in sorted(self.rows) if has_peak(self.rows[t])]
+
+    def ends(self) -> tuple[dict, dict] | None:
+        """The shortest and longest measured rows, or None where fewer than two block sizes were measured."""
+        measured = self.measured()
+        return (measured[0], measured[-1]) if len(measured) >= 2 else None
+
+    def bytes_per_token(self) -> float | None:
+        """(peak at the longer T - peak at the shorter) / the tokens between them (micro-batch x dT),
+        in bytes; the peak is allocated bytes, max over ranks."""
+        ends = self.ends()
+        if ends is None:
+            return None
+        short, long = ends
+        tokens = short["micro_batch_size"] * (long["block_size"] - short["block_size"])
+        return (long["peak_alloc_max"] - short["peak_alloc_max"]) / tokens
+
+    def not_measured(self) -> bool:
+        """No slope because the rows ran on CPU (ok, but no allocator peak), rather than for failures."""
+        return self.ends() is None and any(row["status"] == "ok" and row.get("peak_alloc_max") is None
+                                           for row in self.rows.values())
+
+
+def token_slopes(group: list[dict]) -> list[TokenSlope]:
+    """The rows of one configuration, per backend label and invocation (``same_invocation`` with each
+    other), where one invocation ran a label at two or more block sizes; in file order."""
+    runs: list[dict[int, dict]] = []
+    for row in group:
+        if not row.get("date"):
+            continue  # no invocation to tell
+        run = next((run for run in runs if backends.label(next(iter(run.values()))) == backends.label(row)
+                    and row["block_size"] not in run and all(same_invocation(row, other) for other in run.values())),
+                   None)
+        if run is None:
+            runs.append({row["block_size"]: row})
+        else:
+            run[row["block_size"]] = row
+    return [TokenSlope(run) for run in runs if len(run) >= 2]
+
+
+def slope_cell(slope: TokenSlope, block_sizes: list[int]) -> str:
+    """Memory per token in MB, with the block sizes it spans where they are not the table's ends."""
+    per_token = slope.bytes_per_token()
+    if per_token is None:
+        return NOT_MEASURED if slope.not_measured() else MISSING
+    short, long = slope.ends()
+    span = "" if (short["block_size"], long["block_size"]) == (block_sizes[0], block_sizes[-1]) else \
+        f" (T={short['block_size']}-{long['block_size']})"
+    return f"{per_token / MB:.2f}{span}"
+
+
+def base_slope(slope: TokenSlope, slopes: list[TokenSlope], base: str) -> TokenSlope | None:
+    """The slope of backend ``base`` from the same invocation and between the same block sizes."""
+    ends = slope.ends()
+    if ends is None:
+        return None
+    span = [row["block_size"] for row in ends]
+    return next((other for other in slopes if is_base(other.first, base) and other.ends() is not None
+                 and [row["block_size"] for row in other.ends()] == span
+                 and same_invocation(other.first, slope.first)), None)
+
+
+def slope_ratio_cell(slope: TokenSlope, slopes: list[TokenSlope], base: str) -> str:
+    reference = base_slope(slope, slopes, base)
+    if reference is None or not reference.bytes_per_token():
+        return MISSING
+    mine, theirs = slope.bytes_per_token(), reference.bytes_per_token()
+    return f"{mine / theirs:.2f}x ({mine / MB:.2f} / {theirs / MB:.2f} MB)"
+
+
+def per_token_section(group: list[dict], base: str | None = None) -> str:
+    """The memory-per-token table of one configuration's rows (each slope also as a multiple of
+    backend ``base``'s), after a blank line; "" where no invocation ran a backend at several block sizes."""
+    slopes = sorted(token_slopes(group), key=lambda slope: summary_order(slope.first))
+    if not slopes:
+        return ""
+    block_sizes = sorted({t for slope in slopes for t in slope.rows})
+    columns: list[tuple[str, Callable[[TokenSlope], str]]] = [("backend", lambda slope: slope.label)]
+    columns += [(f"T={t}: peak GiB", lambda slope, t=t: peak_cell(slope.rows.get(t))) for t in block_sizes]
+    columns.append(("memory per token, MB (10^6 bytes)", lambda slope: slope_cell(slope, block_sizes)))
+    if base is not None:
+        columns.append((f"per token / {base}'s", lambda slope: slope_ratio_cell(slope, slopes, base)))
+    columns += [(f"step ms at T={block_sizes[-1]}", lambda slope: step_cell(slope.rows.get(block_sizes[-1]))),
+                ("UTC", lambda slope: f"{slope.first['date'][:10]} {slope.first['date'][11:16]}")]
+    return ("\n\n##### Memory per token: the slope of the peak (allocated, max over ranks) between the shortest "
+            "and longest T of one invocation\n\n" + table(columns, slopes))
 
 
 def summary_order(row: dict) -> tuple:
@@ -218,12 +347,25 @@ def written_by_current_code(row: dict) -> bool:
     return row["backend"] != "thunder+memopt" or "fusion" in row
 
 
-def summary_cell(row: dict | None) -> str:
+def peak_cell(row: dict | None) -> str:
+    """A row's peak allocated GiB (max over ranks); its status where it did not run ok."""
     if row is None:
         return MISSING
     if row["status"] != "ok":
         return row["status"]
-    return f"{number(row.get('peak_alloc_max'), '.2f', GIB)} / {number(row.get('step_ms'), '.0f')}"
+    return number(row.get("peak_alloc_max"), ".2f", GIB)
+
+
+def step_cell(row: dict | None) -> str:
+    """A row's median step ms; – where it did not run ok."""
+    return MISSING if row is None or row["status"] != "ok" else number(row.get("step_ms"), ".0f")
+
+
+def summary_cell(row: dict | None) -> str:
+    """A row's peak GiB / step ms; its status where it did not run ok."""
+    if row is None or row["status"] != "ok":
+        return peak_cell(row)
+    return f"{peak_cell(row)} / {step_cell(row)}"
 
 
 def describe_row(row: dict) -> str:
@@ -234,6 +376,10 @@ def describe_row(row: dict) -> str:
     memory = ("peak memory not measured (CPU)" if row.get("peak_alloc_max") is None else
               f"peak {row['peak_alloc_max'] / GIB:.2f} GiB allocated, "
               f"{row['peak_reserved_max'] / GIB:.2f} GiB reserved (max over ranks)")
+    if row.get("host_rss_peak_max") is not None:
+        pinned = row.get("host_pinned_peak_max")
+        memory += (f"; host: peak RSS {row['host_rss_peak_max'] / GIB:.2f} GiB"
+                   + ("" if pinned is None else f", pinned {pinned / GIB:.2f} GiB") + " (max over ranks)")
     parts = [f"ok: {memory}", f"{row['step_ms']:.0f} ms/step", f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU",
              f"loss {row['loss']:.4f}", f"first step {row['first_step_s']:.1f} s"]
     if row.get("memopt_pass_s"):
@@ -291,11 +437,16 @@ def bar_panel(axis, rows: list[dict], value: Callable[[dict], float | None], yla
         axis.legend(fontsize=8)
 
 
+def coloured_labels(rows: list[dict]) -> list[str]:
+    """The labels of the rows with an allocator peak, in the tables' order: label i is drawn in colour Ci."""
+    return list(dict.fromkeys(backends.label(row) for row in sorted(filter(has_peak, rows), key=summary_order)))
+
+
 def block_size_panel(axis, rows: list[dict]) -> None:
     """Peak allocated memory against block size: a colour per backend label, a line style per setting."""
     fields = [field for field in varying_fields(rows) if field != "block_size"]
-    measured = [row for row in rows if row["status"] == "ok" and row.get("peak_alloc_max") is not None]
-    labels = list(dict.fromkeys(backends.label(row) for row in sorted(measured, key=summary_order)))
+    measured = list(filter(has_peak, rows))
+    labels = coloured_labels(rows)
     settings = list(dict.fromkeys(setting_label(row, fields) for row in measured))
     for label_index, label in enumerate(labels):
         for setting_index, setting in enumerate(settings):
@@ -314,6 +465,28 @@ def block_size_panel(axis, rows: list[dict]) -> None:
         axis.text(0.5, 0.5, NOT_MEASURED, transform=axis.transAxes, ha="center")
 
 
+def per_token_panel(axis, slopes: list[TokenSlope], fields: list[str], labels: list[str]) -> None:
+    """A bar of memory per token (MB) per backend label and invocation, in the colour of its line in
+    block_size_panel (``labels``: coloured_labels); ``fields``: the configuration fields that vary
+    between the slopes, named under the bars."""
+    slopes = sorted(slopes, key=lambda slope: summary_order(slope.first))
+    names = [f"{slope.label} {setting_label(slope.first, fields)}".strip() for slope in slopes]
+    if len(set(names)) < len(names):  # one label from several invocations
+        names = [f"{name} {slope.first['date'][5:16]}" for name, slope in zip(names, slopes)]
+    values = [slope.bytes_per_token() for slope in slopes]
+    for position, (slope, value) in enumerate(zip(slopes, values)):
+        if value is not None:
+            axis.bar(position, value / MB, 0.6, color=f"C{labels.index(slope.label)}")
+        else:
+            axis.text(position, 0, "not measured" if slope.not_measured() else MISSING, rotation=90, ha="center",
+                      va="bottom", fontsize=8)
+    axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    axis.set_xlim(-0.5, len(names) - 0.5)
+    axis.set_ylabel("memory per token, MB (10^6 bytes): slope of the peak")
+    if all(value is None for value in values):
+        axis.text(0.5, 0.5, NOT_MEASURED, transform=axis.transAxes, ha="center")
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only backend (no display on the GPU host or in CI)."""
     import matplotlib
@@ -325,16 +498,22 @@ def pyplot():
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Peak memory and step time per backend, and memory against block size when several were run."""
+    """Peak memory and step time per backend, memory against block size when several were run, and
+    memory per token where one invocation ran a backend at several."""
     plt = pyplot()
     runs = measured_rows(rows)
     several_block_sizes = len({row["block_size"] for row in runs}) > 1
-    figure, axes = plt.subplots(1, 3 if several_block_sizes else 2, figsize=(18 if several_block_sizes else 12, 5))
+    slopes = [slope for group in by_config(rows) for slope in token_slopes(group)]
+    panels = 2 + several_block_sizes + bool(slopes)
+    figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 5))
     bar_panel(axes[0], runs, lambda r: None if r.get("peak_alloc_max") is None else r["peak_alloc_max"] / GIB,
               "peak allocated, max over ranks (GiB)")
     bar_panel(axes[1], runs, lambda r: r.get("step_ms"), "median step time (ms)")
     if several_block_sizes:
         block_size_panel(axes[2], runs)
+    if slopes:
+        per_token_panel(axes[-1], slopes, [field for field in varying_fields(runs) if field != "block_size"],
+                        coloured_labels(runs))
     varying = varying_fields(runs)
     common = [field for field in CONFIG_FIELDS if field not in varying]
     figure.suptitle(setting_label(runs[0], common), fontsize=10)

@@ -1,8 +1,8 @@
 """The benchmark's row schema: what one trial runs, what it measures, and how a row reads back.
 
 A row of ``--out`` is one flat JSON object: the trial's fields (``Trial.key``), the driver's context
-(where, when, by which command), and the worker's measurements (``PeakMemory``, ``StepTimes``,
-``SavedActivations``, the profile). Rows stay flat so that every committed
+(where, when, by which command), and the worker's measurements (``PeakMemory``, ``HostMemory``,
+``StepTimes``, ``SavedActivations``, the profile). Rows stay flat so that every committed
 ``benchmarks/results/*.jsonl`` keeps reading, and the tables and ``--resume`` read fields added since
 a row was written as the value rows had before (``field_value``). In memory a trial is grouped by
 what each part decides, so that no function takes 22 loose fields: the workload, its numerics, the
@@ -186,6 +186,28 @@ class PeakMemory:
 
 
 MEMORY_FIELDS = tuple(field.name for field in dataclasses.fields(PeakMemory))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """Host memory of the training processes, in bytes, rank 0's and the maximum over ranks.
+
+    ``host_rss_peak_*``: the peak resident set size of each rank's process over its whole life
+    (``getrusage(RUSAGE_SELF).ru_maxrss``, which the kernel cannot reset: the model's build and the
+    compilation are in it; inductor's compile workers and torchrun's launcher, other processes, are
+    not). ``host_pinned_peak_*``: on CUDA, the peak bytes held by torch's pinned host allocator over
+    the measured steps (``torch.cuda.host_memory_stats()``, its cached blocks included), where
+    activation offload would keep its copies; None on CPU. Rows written before these fields read as
+    None: not measured.
+    """
+
+    host_rss_peak_rank0: int | None = None
+    host_rss_peak_max: int | None = None
+    host_pinned_peak_rank0: int | None = None
+    host_pinned_peak_max: int | None = None
+
+
+HOST_MEMORY_FIELDS = tuple(field.name for field in dataclasses.fields(HostMemory))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """One trial on every rank of a fresh torchrun: build the model, shard it, compile it with the
-trial's backend, train ``warmup`` + ``iters`` steps and measure them.
+trial's backend, train ``warmup`` + ``iters`` steps and measure them: device and host memory,
+step times, saved bytes.
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m benchmarks.fsdp2.worker TRIAL_JSON
 
@@ -17,6 +18,7 @@ import dataclasses
 import functools
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from benchmarks.fsdp2 import profiling
 from benchmarks.fsdp2.backends import BACKENDS
-from benchmarks.fsdp2.trial import PeakMemory, SavedActivations, StepTimes, Trial
+from benchmarks.fsdp2.trial import HostMemory, PeakMemory, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, build_model, narrow_config, next_token_loss, random_batch,
                                    training_step)
 
@@ -189,15 +191,34 @@ def timed(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch
     return loss, time.perf_counter() - start
 
 
+def over_ranks(values: list[int], device: torch.device, op: dist.ReduceOp.RedOpType) -> list[int]:
+    """``values`` reduced elementwise over the ranks by ``op`` (MAX, MIN); as they are on one process."""
+    if not dist.is_initialized():
+        return list(values)
+    reduced = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(reduced, op=op)
+    return reduced.tolist()
+
+
 def peak_memory(device: torch.device) -> PeakMemory:
     """Peak allocated/reserved bytes of this rank (rank 0's row) and their maximum over ranks."""
     if device.type != "cuda":
         return PeakMemory()
     local = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
-    peaks = torch.tensor(local, dtype=torch.int64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    return PeakMemory(*local, *peaks.tolist())
+    return PeakMemory(*local, *over_ranks(local, device, dist.ReduceOp.MAX))
+
+
+def host_memory(device: torch.device) -> HostMemory:
+    """This process's peak resident set (rank 0's row) and, on CUDA, the pinned host allocator's peak
+    since ``reset_peak_host_memory_stats``; each also as the maximum over ranks."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    if device.type != "cuda":
+        (rss_max,) = over_ranks([rss], device, dist.ReduceOp.MAX)
+        return HostMemory(host_rss_peak_rank0=rss, host_rss_peak_max=rss_max)
+    # The pinned allocator's blocks (cached ones too); the key is absent until it has allocated.
+    pinned = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0)
+    rss_max, pinned_max = over_ranks([rss, pinned], device, dist.ReduceOp.MAX)
+    return HostMemory(rss, rss_max, pinned, pinned_max)
 
 
 def reservable_bytes(device: torch.device) -> int | None:
@@ -206,10 +227,8 @@ def reservable_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    reservable = torch.tensor([free + torch.cuda.memory_reserved(device)], dtype=torch.int64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(reservable, op=dist.ReduceOp.MIN)
-    return int(reservable.item())
+    (reservable,) = over_ranks([free + torch.cuda.memory_reserved(device)], device, dist.ReduceOp.MIN)
+    return reservable
 
 
 class TrainingSession:
@@ -242,6 +261,7 @@ class TrainingSession:
             timed(step, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.reset_peak_host_memory_stats()
         snapshot = measurement.memory_snapshot if self.rank == 0 else None
         step_seconds = []
         with (profiling.recording_memory_history(snapshot, device),
@@ -254,8 +274,8 @@ class TrainingSession:
         times = StepTimes(step_ms=median_s * 1e3, step_ms_all=[s * 1e3 for s in step_seconds],
                           tokens_per_s_per_gpu=tokens / median_s, first_step_s=first_step_s,
                           compile_s=first_step_s - median_s, loss=loss.item())
-        result = {**dataclasses.asdict(peak_memory(device)), "reservable_bytes": reservable_bytes(device),
-                  **dataclasses.asdict(times)}
+        result = {**dataclasses.asdict(peak_memory(device)), **dataclasses.asdict(host_memory(device)),
+                  "reservable_bytes": reservable_bytes(device), **dataclasses.asdict(times)}
         if profiler is not None:
             profiling.print_table(profiler, device)
             result["profile"] = profiling.profile_summary(profiler, sum(step_seconds))
