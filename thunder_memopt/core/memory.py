@@ -54,6 +54,8 @@ __all__ = [
     "storage_roots",
     "storage_nbytes",
     "estimate_memory",
+    "StorageLifetimes",
+    "storage_lifetimes",
     "saved_for_backward",
     "estimate_step",
     "backward_storages",
@@ -519,35 +521,15 @@ def estimate_memory(
     trace's ``storage_roots`` (over its symbols less deletions), if the caller has them already.
     ``facts``: see ``SymbolFacts``.
     """
-    if inputs_freed is None:
-        inputs_freed = TraceTag.BACKWARD in trace.tags
-    facts = SymbolFacts() if facts is None else facts
-    bsyms = [b for b in trace.bound_symbols if b.sym.name not in DELETION_NAMES]
-    storages = _storages(trace, bsyms, known_storages, facts) if infos is None else _Storages.of(infos)
-    root, made_at = storages.root, storages.made_at
-    symbols = [facts.symbol(b) for b in bsyms]
-    last = _last_uses(symbols, root)
-    storage_bytes = storages.storage_bytes(known_storages)
-    input_storages = {root[name] for name, index in made_at.items() if index is None}
-    returned = {root[name] for name in symbols[-1].reads
-                if name in root} if bsyms and bsyms[-1].sym.id == prims.PrimIDs.RETURN else set()
-
-    created_k = {storage: made_at[name] for name, storage in root.items() if made_at[name] is not None and storage == name}
-
-    n = len(bsyms)
+    lifetimes, symbols = _lifetimes(trace, inputs_freed, held, known_storages, infos, facts)
+    n, storage_bytes = len(symbols), lifetimes.nbytes
     delta = [0] * (n + 1)  # delta[k]: bytes allocated at symbol k; frees land at k+1
-    input_bytes = sum(storage_bytes[s] for s in input_storages)
-    for s, k in created_k.items():
-        delta[k] += storage_bytes[s]
-        end = n if s in returned else last.get(s, k)
-        if end < n:
-            delta[end + 1] -= storage_bytes[s]
-    if inputs_freed:
-        held = set(held)
-        for s in input_storages:
-            if s in returned or s in held or s not in last:
-                continue
-            delta[last[s] + 1] -= storage_bytes[s]
+    for s, (first, last) in lifetimes.spans.items():
+        if first >= 0:
+            delta[first] += storage_bytes[s]
+        if last < n:
+            delta[last + 1] -= storage_bytes[s]
+    input_bytes = sum(storage_bytes[s] for s in lifetimes.input_storages)
 
     live, cur = [], input_bytes
     peak, peak_k = input_bytes, -1
@@ -558,8 +540,7 @@ def estimate_memory(
         live.append(cur)
         if during > peak:
             peak, peak_k = during, k
-    output_bytes = sum(storage_bytes[s] for s in returned)
-    peak_bsym = bsyms[peak_k] if peak_k >= 0 else None
+    peak_bsym = lifetimes.bsyms[peak_k] if peak_k >= 0 else None
     return MemoryEstimate(
         peak_bytes=peak,
         peak_index=peak_k,
@@ -567,8 +548,70 @@ def estimate_memory(
         peak_source=None if peak_bsym is None else source_of(peak_bsym),
         live_bytes=tuple(live),
         input_bytes=input_bytes,
-        output_bytes=output_bytes,
+        output_bytes=sum(storage_bytes[s] for s in lifetimes.returned),
     )
+
+
+@dataclass(frozen=True)
+class StorageLifetimes:
+    """When each storage of a trace is live: the one liveness model, which ``estimate_memory`` sums
+    and which a caller reads to ask what is live where (the collectives pass's diagnostic)."""
+
+    bsyms: tuple[BoundSymbol, ...]  # the trace's bound symbols without deletions, which ``spans`` index
+    storage_of: Mapping[str, str]  # tensor -> the tensor that names its storage
+    nbytes: Mapping[str, int]  # storage -> bytes
+    # storage -> (first, last) index of the symbols it is live at: first -1 for a storage the trace
+    # receives, last len(bsyms) for one live to the end (returned, held, or an input not freed).
+    spans: Mapping[str, tuple[int, int]]
+    input_storages: frozenset[str]
+    returned: frozenset[str]
+
+
+def storage_lifetimes(
+    trace: TraceCtx,
+    *,
+    inputs_freed: bool | None = None,
+    held: Iterable[str] = (),
+    known_storages: KnownStorages | None = None,
+) -> StorageLifetimes:
+    """Each storage's span of liveness over the trace, with ``estimate_memory``'s arguments and rules."""
+    return _lifetimes(trace, inputs_freed, held, known_storages, None, None)[0]
+
+
+def _lifetimes(
+    trace: TraceCtx,
+    inputs_freed: bool | None,
+    held: Iterable[str],
+    known_storages: KnownStorages | None,
+    infos: Mapping[str, TensorInfo] | None,
+    facts: SymbolFacts | None,
+) -> tuple[StorageLifetimes, list[_Symbol]]:
+    """A storage is live from the symbol that creates it to its last reader (through any of its
+    views), or to its creator if nothing reads it; see ``estimate_memory`` for inputs."""
+    if inputs_freed is None:
+        inputs_freed = TraceTag.BACKWARD in trace.tags
+    facts = SymbolFacts() if facts is None else facts
+    bsyms = [b for b in trace.bound_symbols if b.sym.name not in DELETION_NAMES]
+    storages = _storages(trace, bsyms, known_storages, facts) if infos is None else _Storages.of(infos)
+    root, made_at = storages.root, storages.made_at
+    symbols = [facts.symbol(b) for b in bsyms]
+    last = _last_uses(symbols, root)
+    input_storages = frozenset(root[name] for name, index in made_at.items() if index is None)
+    returned = frozenset(root[name] for name in symbols[-1].reads
+                         if name in root) if bsyms and bsyms[-1].sym.id == prims.PrimIDs.RETURN else frozenset()
+    n = len(bsyms)
+    spans: dict[str, tuple[int, int]] = {}
+    for name, storage in root.items():
+        k = made_at[name]
+        if k is not None and storage == name:
+            spans[storage] = (k, n if storage in returned else last.get(storage, k))
+    held = set(held)
+    for s in input_storages:
+        freed = inputs_freed and s not in returned and s not in held and s in last
+        spans[s] = (-1, last[s] if freed else n)
+    lifetimes = StorageLifetimes(bsyms=tuple(bsyms), storage_of=root, nbytes=storages.storage_bytes(known_storages),
+                                 spans=spans, input_storages=input_storages, returned=returned)
+    return lifetimes, symbols
 
 
 @dataclass(frozen=True)

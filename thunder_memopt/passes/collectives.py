@@ -31,7 +31,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
-from thunder_memopt.core.memory import estimate_memory, storage_roots
+from thunder_memopt.core.memory import estimate_memory, storage_lifetimes, storage_roots
 from thunder_memopt.core.trace import (
     is_bookkeeping,
     replace_bound_symbols,
@@ -327,39 +327,27 @@ def _tensor_names(bsym: BoundSymbol) -> list[str]:
     return [t.name for t in (*tensor_args(bsym), *tensor_outs(bsym))]
 
 
-def _lifetimes(trace: TraceCtx) -> tuple[list[BoundSymbol], dict, dict[str, tuple[int, int]]]:
-    """Each storage's (birth, death) over the trace without dels; a reduce-scatter input lives to its wait."""
-    bsyms = strip_deletions(trace).bound_symbols
-    infos = storage_roots(trace, bsyms)
-    span: dict[str, list[int]] = {}
-    for i, b in enumerate(bsyms):
-        for p in (*b.flat_proxy_args, *b.flat_proxy_outs):
-            info = infos.get(getattr(p, "name", None))
-            if info is not None:
-                s = span.setdefault(info.storage, [i, i])
-                s[1] = i
-    waits = {b.flat_proxy_args[0].name: i for i, b in enumerate(bsyms) if _name(b) == WAIT}
-    for b in bsyms:
-        if _name(b) == REDUCE_SCATTER and b.flat_proxy_outs[0].name in waits:
-            root = infos[tensor_args(b)[0].name].storage
-            span[root][1] = max(span[root][1], waits[b.flat_proxy_outs[0].name])
-    return bsyms, infos, {k: (v[0], v[1]) for k, v in span.items()}
-
-
 def collective_bytes_at_peak(trace: TraceCtx) -> CollectiveBytes:
     """The peak of ``memory.estimate_memory`` and the unsharded bytes alive at that symbol."""
     est = estimate_memory(trace)
-    bsyms, infos, span = _lifetimes(trace)
+    lifetimes = storage_lifetimes(trace)
+    bsyms, storage_of, span = lifetimes.bsyms, lifetimes.storage_of, dict(lifetimes.spans)
+    # The memory model frees a reduce-scatter's input at the reduce-scatter; it is held to the wait.
+    waits = {b.flat_proxy_args[0].name: i for i, b in enumerate(bsyms) if _name(b) == WAIT}
+    for b in bsyms:
+        if _name(b) == REDUCE_SCATTER and b.flat_proxy_outs[0].name in waits:
+            root = storage_of[tensor_args(b)[0].name]
+            span[root] = (span[root][0], max(span[root][1], waits[b.flat_proxy_outs[0].name]))
     gathered = {w.flat_proxy_outs[0].name for _, w in _gather_pairs(bsyms)}
     # A gradient and its `/ world_size` copy are both unsharded gradient storage.
-    scattered = {infos[n].storage for s in _scatters(bsyms) for b in s.chain for n in _tensor_names(b) if n in infos}
+    scattered = {storage_of[n] for s in _scatters(bsyms) for b in s.chain for n in _tensor_names(b) if n in storage_of}
 
     def live_bytes(k: int, storages: set[str]) -> int:
-        return sum(infos[s].nbytes for s in storages if span[s][0] <= k <= span[s][1])
+        return sum(lifetimes.nbytes[s] for s in storages if span[s][0] <= k <= span[s][1])
 
     gathered &= span.keys()
     scattered &= span.keys()
-    # estimate_memory indexes the trace without dels, like _lifetimes.
+    # estimate_memory indexes the trace without dels, like the lifetimes.
     k = max(est.peak_index, 0)
     return CollectiveBytes(
         peak_bytes=est.peak_bytes,
