@@ -27,6 +27,7 @@ from thunder_memopt.executors.fusion import (
     InductorFusionExecutor,
     compile_stats,
     reset_compile_stats,
+    start_compile_workers,
 )
 
 __all__ = [
@@ -70,4 +71,7 @@ def executors(*, fusion: bool = True, cudnn_attention: bool = True, loss_head: b
         ours.append(cudnn_attention_ex)
     if fusion and not any(ex.name == _NVFUSER for ex in defaults):
         ours.append(fusion_ex)
+        # As early as it is known that regions will be compiled: the workers start while dynamo
+        # and Thunder trace the model.
+        start_compile_workers()
     return [*ours, *(ex for ex in defaults if ex not in ours)]

@@ -43,7 +43,14 @@ from thunder.extend import ImplInfo
 from thunder_memopt.core.ops import fusible_name, leaf_names, moves_data
 from thunder_memopt.core.trace import replace_bound_symbols, strip_deletions
 
-__all__ = ["EAGER_NUMERICS", "CompileStats", "InductorFusionExecutor", "compile_stats", "reset_compile_stats"]
+__all__ = [
+    "EAGER_NUMERICS",
+    "CompileStats",
+    "InductorFusionExecutor",
+    "compile_stats",
+    "reset_compile_stats",
+    "start_compile_workers",
+]
 
 # Inductor options that bring fused code closest to ATen's one-op-at-a-time rounding.
 EAGER_NUMERICS = {
@@ -119,6 +126,22 @@ def reset_compile_stats() -> None:
     _compiled_functions.clear()
 
 
+@functools.cache
+def start_compile_workers() -> None:
+    """Start inductor's pool of Triton compile workers in the background, once per process.
+
+    torch.compile's inductor backend starts it when dynamo first calls it (``maybe_warm_pool``);
+    ThunderCompiler and ``thunder.jit`` never do. Without this, the pool starts only at the first
+    region's compilation, and until its workers have imported torch (seconds), inductor compiles
+    each kernel in this process, one after another. Nothing starts where there is no GPU: inductor
+    uses the pool only for Triton."""
+    if not torch.cuda.is_available():
+        return
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+
+
 class InductorFusionExecutor(TorchCompileExecutor):
     """A ``FusionExecutor`` that compiles regions of cheap ops with inductor.
 
@@ -157,6 +180,8 @@ class InductorFusionExecutor(TorchCompileExecutor):
         inductor would gain nothing there and cost a compilation."""
         start = time.perf_counter_ns()
         claimed = [self._claims(b) for b in trace.bound_symbols]
+        if "cuda" in self.devices and any(claimed):
+            start_compile_workers()
         bsyms = _grouped_apart(trace.bound_symbols, claimed, apart)
         ordered = from_trace(trace)
         ordered.bound_symbols = bsyms
