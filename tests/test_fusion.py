@@ -106,11 +106,81 @@ def test_a_region_is_compiled_again_for_inputs_of_another_layout(monkeypatch):
     def scale_and_round(x):
         return ((x.float() * 3.0).to(torch.bfloat16),)
 
-    region = fusion._CompiledRegion(scale_and_round)
+    with tracectx(TraceCtx()):
+        x_proxy = TensorProxy(shape=(8, 16), device=devices.Device("cpu"), dtype=dtypes.bfloat16)
+    region = fusion._CompiledRegion(scale_and_round, [x_proxy])
     rows, columns = torch.randn(8, 16).bfloat16(), torch.randn(16, 8).bfloat16().t()  # both 8 x 16
     for x in (rows, columns, rows.clone(), columns):
         assert torch.equal(region(x)[0], scale_and_round(x)[0])
     assert compiled_for == [((16, 1),), ((1, 8),)] and region.seconds >= 0
+
+
+class _NormMlp(torch.nn.Module):
+    """A block of cheap ops around two matmuls, of shapes no other test fuses: its regions are
+    compiled afresh here, not shared with another test's."""
+
+    def __init__(self, width: int = 96) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, 2 * width)
+        self.proj = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.norm(x))))
+
+
+def _norm_mlp_step(**jit_options) -> tuple[thunder.ThunderModule, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _NormMlp().bfloat16()
+    x = torch.randn(3, 40, 96, dtype=torch.bfloat16)
+    jitted = thunder.jit(model, **jit_options)
+    jitted(x).float().square().mean().backward()
+    return jitted, [p.grad for p in model.parameters()]
+
+
+def test_memopt_compiles_the_final_traces_regions_ahead_through_inductors_cache():
+    """MemoryOptimization compiles the regions of a forward and its backward together, ahead of
+    their first calls, for contiguous inputs (the layout they meet here); inductor's FX graph cache
+    serves them rather than being bypassed."""
+    from torch._dynamo.utils import counters
+
+    from thunder_memopt.executors import fusion
+
+    counters["inductor"].clear()
+    jitted, _ = _norm_mlp_step(executors=_cpu_executors(), transforms=[MemoryOptimization()])
+    regions = _regions(thunder.last_traces(jitted)[-1]) + _regions(thunder.last_backward_traces(jitted)[-1])
+    functions = {id(fn): fn for b in regions for fn in b._call_ctx.values()}
+    assert regions and all(isinstance(fn, fusion._CompiledRegion) for fn in functions.values())
+    assert all(fn.layouts_ahead == 1 and fn.layouts_at_call == 0 for fn in functions.values())
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] >= len(functions)
+
+
+def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first_call():
+    """Bit for bit, for the contiguous inputs it was compiled ahead for, and for inputs of another
+    layout, which it compiles at the call. Inductor's FX graph cache is off, so that each
+    compilation generates its code anew."""
+    import types
+
+    from thunder_memopt.executors import fusion
+
+    jitted, _ = _norm_mlp_step(executors=_cpu_executors())
+    region = min(_regions(thunder.last_traces(jitted)[-1]), key=lambda b: len(b.subsymbols))
+    (source,) = region._call_ctx.values()
+    inputs = list(region.args)
+    ahead, at_call = fusion._CompiledRegion(source.fn, inputs), fusion._CompiledRegion(source.fn, inputs)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        trace = types.SimpleNamespace(bound_symbols=[region.from_bsym(_call_ctx={"f": ahead})])
+        assert fusion.compile_ahead([trace]) == 1
+        torch.manual_seed(1)
+        args = [torch.randn(a.shape).to(dtypes.to_torch_dtype(a.dtype)) for a in inputs]
+        assert all(torch.equal(x, y) for x, y in zip(ahead(*args), at_call(*args)))
+        assert (ahead.layouts_ahead, ahead.layouts_at_call) == (1, 0)
+        # The same values, each with its last two dimensions stored the other way round.
+        strided = [a.transpose(-1, -2).contiguous().transpose(-1, -2) for a in args]
+        assert all(a.ndim >= 2 for a in args) and all(a.stride() != b.stride() for a, b in zip(args, strided))
+        assert all(torch.equal(x, y) for x, y in zip(ahead(*strided), at_call(*strided)))
+        assert (ahead.layouts_ahead, ahead.layouts_at_call) == (1, 1)
 
 
 @pytest.mark.parametrize("memopt", [None, {}], ids=["thunder", "memopt"])

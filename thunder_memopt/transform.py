@@ -22,6 +22,9 @@ function, after its own optimization and ``del_last_used``. The other passes run
    last so that it prices the frees the collectives pass made early, and it keeps the collectives
    where that pass put them.
 
+Once the backward's passes have run, both traces of the pair are final, and their fusion regions
+are compiled together, ahead of their first calls (thunder_memopt.executors.fusion.compile_ahead).
+
 The forward decides what the backward must recompute and re-gather, so what a forward leaves for
 its backward (the recompute plans, the ZeRO-3 plan, the forward handed back) is one record, keyed by
 the tensors Thunder's forward saves, which are the backward's inputs; ThunderCompiler shares one
@@ -46,7 +49,7 @@ from thunder.core.transform_common import Transform
 from thunder_memopt.core.memory import backward_storages
 from thunder_memopt.core.trace import replay_in_backward, saved_proxies, strip_deletions, tensor_args, tensor_outs
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
-from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
 from thunder_memopt.passes import collectives, loss_head, recompute, schedule
 
 __all__ = ["MemoryOptimization", "PASSES"]
@@ -157,7 +160,11 @@ class MemoryOptimization(Transform):
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             return self._forward(computation_trace, _fusion_executor(executors_list))
         if TraceTag.BACKWARD in computation_trace.tags:
-            return self._backward(computation_trace)
+            pair = self._pairs.pop(tuple(t.name for t in computation_trace.args[0][0]), None)
+            backward = self._backward(computation_trace, pair)
+            # Thunder builds both callables after this hook: the pair's regions are final here.
+            self._compile_ahead([backward] if pair is None else [pair.returned, backward])
+            return backward
         return self._schedule(computation_trace)
 
     def _forward(self, trace: TraceCtx, fusion: InductorFusionExecutor | None) -> TraceCtx:
@@ -181,8 +188,7 @@ class MemoryOptimization(Transform):
         self._pairs[key] = _Pair(returned=out, recompute=pending, zero3=zero3)
         return out
 
-    def _backward(self, trace: TraceCtx) -> TraceCtx:
-        pair = self._pairs.pop(tuple(t.name for t in trace.args[0][0]), None)
+    def _backward(self, trace: TraceCtx, pair: _Pair | None) -> TraceCtx:
         pending = None if pair is None else pair.recompute
         if pending is None:
             return self._after_recompute_backward(trace, pair)
@@ -255,6 +261,15 @@ class MemoryOptimization(Transform):
                 return self._collectives.backward(trace, zero3)
         scheduled = self._guarded("collectives", "this trace unchanged", lambda: self._collectives.backward(trace, None))
         return trace if scheduled is None else scheduled
+
+    def _compile_ahead(self, traces: Sequence[TraceCtx]) -> None:
+        """The fusion regions of ``traces`` compiled now, together (``executors.fusion.compile_ahead``).
+        Not timed as a pass: the seconds go to ``compile_stats()``, as a first call's would."""
+        try:
+            compile_ahead(traces)
+        except Exception as e:
+            warnings.warn(f"thunder_memopt: fusion regions left to compile at their first calls "
+                          f"({type(e).__name__}: {e})")
 
     def _guarded(self, name: str, kept: str, run: Callable[[], _T]) -> _T | None:
         """``run()``, timed as pass ``name``; None and one warning if it raises, so that a pass never

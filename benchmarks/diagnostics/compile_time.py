@@ -40,9 +40,11 @@ def main() -> int:
     parser.add_argument("--plain", action="store_true", help="plain Thunder: no executors of ours, no transform")
     parser.add_argument("--inductor", type=inductor_option, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--top", type=int, default=12, help="slowest compiled functions to list")
+    parser.add_argument("--cache-dir", help="inductor's and Triton's caches here, kept (a second run measures a warm "
+                        "start); by default, a new empty directory: cold caches, as the benchmark's rows have")
     args = parser.parse_args()
-    # Cold caches, before torch is imported, as the benchmark's rows have.
-    cache = tempfile.mkdtemp(prefix="memopt_compile_time_")
+    # Before torch is imported.
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="memopt_compile_time_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
 
@@ -73,7 +75,10 @@ def main() -> int:
         torch.cuda.synchronize()
         print(f"step {step}: {time.perf_counter() - start:.2f} s", flush=True)
     stats = fusion.compile_stats()
-    print(f"\nfusion: {stats.functions} functions, {stats.compiled} compiled, {stats.compile_seconds:.2f} s")
+    print(f"\nfusion: {stats.functions} functions, {stats.compiled} compiled, {stats.compile_seconds:.2f} s; "
+          f"input layouts compiled ahead {stats.layouts_ahead}, at a first call {stats.layouts_at_call}")
+    cache_counters = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cache" in k}
+    print(f"inductor caches: {cache_counters}")
     slowest = sorted(fusion._compiled_functions.items(), key=lambda kv: -(kv[1].seconds or 0))[: args.top]
     for (canonical, _), fn in slowest:
         ops = Counter(op for op, *_ in canonical[0])

@@ -12,6 +12,10 @@ ATen's one-op-at-a-time code as inductor can.
 
 Regions with the same ops on the same shapes (every layer's) share one compiled function, so the
 first step compiles each kind of region once; ``compile_stats()`` reports how many and how long.
+MemoryOptimization compiles a forward's and its backward's regions together before they first run
+(``compile_ahead``), so that inductor's workers compile one region's Triton kernels while the next
+region is lowered, and every compilation goes through inductor's FX graph cache, so that a second
+run of the same model loads what the first compiled.
 
 With MemoryOptimization the recompute pass works on the ops, not on the regions: the transform
 takes the regions apart (``unfuse``), chooses what to save, and fuses again (``refuse``) with the
@@ -21,14 +25,16 @@ then replays those very regions, so replayed values equal the forward's bit for 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-from thunder.core import prims, utils
+from thunder.core import devices, dtypes, prims, utils
 from thunder.core.codeutils import SigInfo
 from thunder.core.proxies import Proxy, ProxyInterface, TensorProxy, unvariableify, variableify
 from thunder.core.pytree import tree_flatten
@@ -39,6 +45,8 @@ from thunder.executors.torchex import ex as pytorch_ex
 from thunder.executors.torchex import no_autocast
 from thunder.executors.utils import Region
 from thunder.extend import ImplInfo
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from thunder_memopt.core.ops import fusible_name, leaf_names, moves_data
 from thunder_memopt.core.trace import replace_bound_symbols, strip_deletions
@@ -47,6 +55,7 @@ __all__ = [
     "EAGER_NUMERICS",
     "CompileStats",
     "InductorFusionExecutor",
+    "compile_ahead",
     "compile_stats",
     "reset_compile_stats",
     "start_compile_workers",
@@ -65,26 +74,34 @@ class CompileStats:
     """The compiled functions behind every fusion region built so far in this process."""
 
     functions: int  # distinct compiled functions
-    compiled: int  # of those, compiled (called at least once)
-    compile_seconds: float  # time of their first calls, compilation included
+    compiled: int  # of those, compiled (ahead, or at a first call)
+    layouts_ahead: int  # input layouts compiled ahead (compile_ahead)
+    layouts_at_call: int  # input layouts compiled at a first call (not compiled ahead)
+    compile_seconds: float  # time of their compilation (and of the first calls that compiled)
 
 
 class _CompiledRegion:
-    """A region's function, compiled by inductor at its first call for the strides (and non-tensor
-    values) of the inputs it gets, and called without dynamo.
+    """A region's function, compiled by inductor for the strides (and non-tensor values) of the
+    inputs it gets, and called without dynamo.
 
     ``torch.compile`` would evaluate dynamo's guards on every call: tens of microseconds a region,
     which a step of a few hundred regions turns into idle GPU time. Here the only check is the
-    inputs' strides; shapes and dtypes are fixed by the region's key. The first call, which traces
-    the function with fake tensors (``make_fx``) and compiles the ATen graph (``compile_fx``, the
-    same AOTAutograd and inductor that ``torch.compile`` runs), is timed."""
+    inputs' strides; shapes and dtypes are fixed by the region's key. A layout not compiled ahead
+    (``compile_ahead``) is compiled at its first call: the function traced with fake tensors
+    (``make_fx``) and the ATen graph compiled (``compile_fx``, the same AOTAutograd and inductor
+    that ``torch.compile`` runs). Both are timed."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, inputs: Sequence[Proxy]) -> None:
         self.fn = fn
         self.seconds: float | None = None
+        self.layouts_ahead = self.layouts_at_call = 0
         self._by_layout: dict[tuple, Callable] = {}
-        # Grad mode and autocast off while it runs, as torch_compile_ex runs its regions: both would
-        # change what is traced.
+        # Shapes, dtypes and devices of the inputs, for compile_ahead; None if one is not a tensor
+        # (its value is known only at the call).
+        all_tensors = all(isinstance(p, TensorProxy) for p in inputs)
+        self._tensor_inputs = [_torch_metadata(p) for p in inputs] if all_tensors else None
+        # Grad mode and autocast off while it runs and compiles, as torch_compile_ex runs its regions:
+        # both would change what is traced.
         self._run = torch.no_grad()(no_autocast(self._run_compiled))
 
     def __call__(self, *args):
@@ -96,18 +113,118 @@ class _CompiledRegion:
         if compiled is not None:
             return compiled(*args)
         start = time.perf_counter()
-        compiled = self._by_layout[layout] = _inductor_compiled(self.fn, args)
+        mode = _fake_mode()
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
+        self.layouts_at_call += 1
         out = compiled(*args)
-        self.seconds = (self.seconds or 0.0) + time.perf_counter() - start
+        self._add_seconds(time.perf_counter() - start)
         return out
 
+    def _add_seconds(self, seconds: float) -> None:
+        self.seconds = (self.seconds or 0.0) + seconds
 
-def _inductor_compiled(fn: Callable, args: tuple) -> Callable:
+    def contiguous_example(self) -> tuple | None:
+        """Fake contiguous inputs of the region's shapes, or None if an input is not a tensor."""
+        if self._tensor_inputs is None:
+            return None
+        with _fake_mode():
+            return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self._tensor_inputs)
+
+
+def compile_ahead(traces: Sequence[TraceCtx]) -> int:
+    """Compiles now, for contiguous inputs, the fusion regions of ``traces`` (final traces, about to
+    run) that are not compiled yet; returns how many it compiled.
+
+    Compiled one at a time at their first calls, each region waits for inductor's workers to compile
+    its Triton kernels, and in a first step that is half of the compilation time. Here each region
+    is lowered while the workers compile the kernels of the regions before it, and the kernels are
+    awaited once, at the end. A region whose inputs turn out not to be contiguous (an expanded mask,
+    a transposed attention output) is compiled for them at its first call, as without this."""
+    regions: dict[int, _CompiledRegion] = {}
+    for trace in traces:
+        for b in trace.bound_symbols:
+            if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor):
+                for fn in b._call_ctx.values():
+                    if isinstance(fn, _CompiledRegion) and fn.seconds is None:
+                        regions.setdefault(id(fn), fn)
+    compiled: list[tuple[_CompiledRegion, tuple, Callable, float]] = []
+    scopes: list[dict] = []
+
+    def lower_each() -> None:  # under no_grad and no autocast, as the regions run
+        for fn in regions.values():
+            example = fn.contiguous_example()
+            if example is None:
+                continue
+            start = time.perf_counter()
+            compiled.append((fn, tuple(a.stride() for a in example), _inductor_compiled(fn.fn, example),
+                             time.perf_counter() - start))
+
+    try:
+        with _kernel_waits_deferred(scopes):
+            torch.no_grad()(no_autocast(lower_each))()
+    finally:
+        # Even after a failure: a module loaded meanwhile is cached by its source, and a later
+        # compilation of the same region must find its kernels in place.
+        start = time.perf_counter()
+        _await_kernels(scopes)
+    waited = (time.perf_counter() - start) / max(len(compiled), 1)
+    # Only now, the kernels in place, may the regions use what was compiled.
+    for fn, layout, function, seconds in compiled:
+        fn._by_layout[layout] = function
+        fn.layouts_ahead += 1
+        fn._add_seconds(seconds + waited)
+    return len(compiled)
+
+
+@contextlib.contextmanager
+def _kernel_waits_deferred(scopes: list[dict]) -> Iterator[None]:
+    """Inductor's compiled modules, loaded meanwhile, return at once from their wait for their Triton
+    kernels (``async_compile.wait(globals())``), their globals left in ``scopes`` to await later."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    wait = AsyncCompile.wait
+    AsyncCompile.wait = lambda self, scope: scopes.append(scope)
+    try:
+        yield
+    finally:
+        AsyncCompile.wait = wait
+
+
+def _await_kernels(scopes: Sequence[dict]) -> None:
+    """Each scope's kernel futures replaced by their kernels, as inductor's wait does. Modules
+    compiled in one batch can share a future (a kernel of the same source): each is awaited once."""
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CodeCacheFuture
+
+    kernels: dict[int, object] = {}
+    futures: list[object] = []  # alive while ``kernels`` is keyed by their ids
+    for scope in scopes:
+        pending = {k: v for k, v in scope.items() if isinstance(v, (Future, CodeCacheFuture))}
+        futures.extend(pending.values())
+        for k, v in pending.items():
+            if id(v) in kernels:
+                scope[k] = kernels[id(v)]
+        AsyncCompile().wait(scope)
+        for k, v in pending.items():
+            kernels[id(v)] = scope[k]
+
+
+def _fake_mode() -> FakeTensorMode:
+    """A fake mode as ``make_fx`` makes for itself. Its ShapeEnv (static shapes) lets inductor's FX
+    graph cache serve the regions: without one, every compilation bypasses the cache ('No shape
+    env'), and a second run of the same model compiles everything again."""
+    return FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+
+
+def _inductor_compiled(fn: Callable, fake_args: Sequence) -> Callable:
+    """``fn`` traced and compiled for ``fake_args`` (fake tensors of one ``_fake_mode()``, and
+    non-tensor values, which the compiled function takes as constants)."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    graph = make_fx(fn, tracing_mode="fake")(*args)
-    return compile_fx(graph, list(args), config_patches=EAGER_NUMERICS)
+    graph = make_fx(fn, tracing_mode="fake")(*fake_args)
+    return compile_fx(graph, list(fake_args), config_patches=EAGER_NUMERICS)
 
 
 # Compiled functions by their region's canonical ops and their inputs' metadata, so that every layer's
@@ -117,8 +234,10 @@ _region_numbers = itertools.count()
 
 
 def compile_stats() -> CompileStats:
-    done = [f.seconds for f in _compiled_functions.values() if f.seconds is not None]
-    return CompileStats(len(_compiled_functions), len(done), sum(done))
+    functions = list(_compiled_functions.values())
+    done = [f.seconds for f in functions if f.seconds is not None]
+    return CompileStats(len(functions), len(done), sum(f.layouts_ahead for f in functions),
+                        sum(f.layouts_at_call for f in functions), sum(done))
 
 
 def reset_compile_stats() -> None:
@@ -337,8 +456,12 @@ def _compiled(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Prox
     fn = _compiled_functions.get(key)
     if fn is None:
         source = _region_trace(region, inputs, outputs).python_callable(include_decorators=False)
-        fn = _compiled_functions[key] = _CompiledRegion(source)
+        fn = _compiled_functions[key] = _CompiledRegion(source, inputs)
     return fn
+
+
+def _torch_metadata(p: TensorProxy) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    return tuple(p.shape), dtypes.to_torch_dtype(p.dtype), devices.to_torch_device(p.device)
 
 
 def _metadata(p: Proxy) -> tuple:
