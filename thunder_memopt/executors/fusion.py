@@ -77,7 +77,7 @@ class CompileStats:
     compiled: int  # of those, compiled (ahead, or at a first call)
     layouts_ahead: int  # input layouts compiled ahead (compile_ahead)
     layouts_at_call: int  # input layouts compiled at a first call (not compiled ahead)
-    compile_seconds: float  # time of their compilation (and of the first calls that compiled)
+    compile_seconds: float  # time of their compilation and of each layout's first run (autotuning)
 
 
 class _CompiledRegion:
@@ -96,6 +96,7 @@ class _CompiledRegion:
         self.seconds: float | None = None
         self.layouts_ahead = self.layouts_at_call = 0
         self._by_layout: dict[tuple, Callable] = {}
+        self._not_run_yet: set[tuple] = set()  # layouts compiled ahead, whose first run is still to time
         # Shapes, dtypes and devices of the inputs, for compile_ahead; None if one is not a tensor
         # (its value is known only at the call).
         all_tensors = all(isinstance(p, TensorProxy) for p in inputs)
@@ -110,14 +111,16 @@ class _CompiledRegion:
     def _run_compiled(self, *args):
         layout = tuple(a.stride() if isinstance(a, torch.Tensor) else ("value", a) for a in args)
         compiled = self._by_layout.get(layout)
-        if compiled is not None:
+        if compiled is not None and layout not in self._not_run_yet:
             return compiled(*args)
         start = time.perf_counter()
-        mode = _fake_mode()
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
-        self.layouts_at_call += 1
-        out = compiled(*args)
+        if compiled is None:
+            mode = _fake_mode()
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
+            self.layouts_at_call += 1
+        self._not_run_yet.discard(layout)
+        out = compiled(*args)  # timed too: a first run autotunes its kernels' launch configurations
         self._add_seconds(time.perf_counter() - start)
         return out
 
@@ -172,6 +175,7 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
     # Only now, the kernels in place, may the regions use what was compiled.
     for fn, layout, function, seconds in compiled:
         fn._by_layout[layout] = function
+        fn._not_run_yet.add(layout)
         fn.layouts_ahead += 1
         fn._add_seconds(seconds + waited)
     return len(compiled)
