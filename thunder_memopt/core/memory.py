@@ -56,6 +56,7 @@ __all__ = [
     "estimate_memory",
     "StorageLifetimes",
     "storage_lifetimes",
+    "estimate_from_lifetimes",
     "saved_for_backward",
     "estimate_step",
     "backward_storages",
@@ -521,8 +522,13 @@ def estimate_memory(
     trace's ``storage_roots`` (over its symbols less deletions), if the caller has them already.
     ``facts``: see ``SymbolFacts``.
     """
-    lifetimes, symbols = _lifetimes(trace, inputs_freed, held, known_storages, infos, facts)
-    n, storage_bytes = len(symbols), lifetimes.nbytes
+    return estimate_from_lifetimes(_lifetimes(trace, inputs_freed, held, known_storages, infos, facts))
+
+
+def estimate_from_lifetimes(lifetimes: StorageLifetimes) -> MemoryEstimate:
+    """``estimate_memory`` of the trace whose ``storage_lifetimes`` these are: each storage's bytes
+    summed over its span, and each symbol's workspace added while it runs."""
+    n, storage_bytes = len(lifetimes.bsyms), lifetimes.nbytes
     delta = [0] * (n + 1)  # delta[k]: bytes allocated at symbol k; frees land at k+1
     for s, (first, last) in lifetimes.spans.items():
         if first >= 0:
@@ -536,7 +542,7 @@ def estimate_memory(
     for k in range(n):
         cur += delta[k]
         # While it runs, an op may hold more than its outputs (WORKSPACE_BYTES).
-        during = cur + symbols[k].workspace
+        during = cur + lifetimes.workspace[k]
         live.append(cur)
         if during > peak:
             peak, peak_k = during, k
@@ -565,6 +571,7 @@ class StorageLifetimes:
     spans: Mapping[str, tuple[int, int]]
     input_storages: frozenset[str]
     returned: frozenset[str]
+    workspace: tuple[int, ...]  # bytes each symbol of ``bsyms`` holds while it runs (WORKSPACE_BYTES)
 
 
 def storage_lifetimes(
@@ -575,7 +582,7 @@ def storage_lifetimes(
     known_storages: KnownStorages | None = None,
 ) -> StorageLifetimes:
     """Each storage's span of liveness over the trace, with ``estimate_memory``'s arguments and rules."""
-    return _lifetimes(trace, inputs_freed, held, known_storages, None, None)[0]
+    return _lifetimes(trace, inputs_freed, held, known_storages, None, None)
 
 
 def _lifetimes(
@@ -585,7 +592,7 @@ def _lifetimes(
     known_storages: KnownStorages | None,
     infos: Mapping[str, TensorInfo] | None,
     facts: SymbolFacts | None,
-) -> tuple[StorageLifetimes, list[_Symbol]]:
+) -> StorageLifetimes:
     """A storage is live from the symbol that creates it to its last reader (through any of its
     views), or to its creator if nothing reads it; see ``estimate_memory`` for inputs."""
     if inputs_freed is None:
@@ -609,9 +616,9 @@ def _lifetimes(
     for s in input_storages:
         freed = inputs_freed and s not in returned and s not in held and s in last
         spans[s] = (-1, last[s] if freed else n)
-    lifetimes = StorageLifetimes(bsyms=tuple(bsyms), storage_of=root, nbytes=storages.storage_bytes(known_storages),
-                                 spans=spans, input_storages=input_storages, returned=returned)
-    return lifetimes, symbols
+    return StorageLifetimes(bsyms=tuple(bsyms), storage_of=root, nbytes=storages.storage_bytes(known_storages),
+                            spans=spans, input_storages=input_storages, returned=returned,
+                            workspace=tuple(symbol.workspace for symbol in symbols))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
-from thunder_memopt.core.memory import estimate_memory, storage_lifetimes, storage_roots
+from thunder_memopt.core.memory import estimate_from_lifetimes, storage_lifetimes, storage_roots
 from thunder_memopt.core.trace import (
     is_bookkeeping,
     replace_bound_symbols,
@@ -329,8 +329,8 @@ def _tensor_names(bsym: BoundSymbol) -> list[str]:
 
 def collective_bytes_at_peak(trace: TraceCtx) -> CollectiveBytes:
     """The peak of ``memory.estimate_memory`` and the unsharded bytes alive at that symbol."""
-    est = estimate_memory(trace)
     lifetimes = storage_lifetimes(trace)
+    est = estimate_from_lifetimes(lifetimes)
     bsyms, storage_of, span = lifetimes.bsyms, lifetimes.storage_of, dict(lifetimes.spans)
     # The memory model frees a reduce-scatter's input at the reduce-scatter; it is held to the wait.
     waits = {b.flat_proxy_args[0].name: i for i, b in enumerate(bsyms) if _name(b) == WAIT}
