@@ -428,6 +428,33 @@ def test_the_backends_come_from_the_registry():
     assert thunder_fsdp.compile == ["thunder", "thunder+fusion", "thunder+memopt"]
 
 
+@pytest.mark.parametrize("mode", ["none", "fsdp2"])
+def test_every_registry_entry_builds_on_cpu(mode):
+    """Each backend's entry builds its model on CPU, on one device and as under FSDP2 (torch.compile
+    with Thunder behind dynamo); the eager ones also run a step. (What compiles compiles at its first
+    call; the smoke run above takes eager, thunder and thunder+memopt through whole steps.)"""
+    import torch
+
+    from benchmarks.fsdp2.backends import BACKENDS, as_is
+    from thunder_memopt.models import build_model, narrow_config, random_batch
+
+    config = narrow_config("stablecode-completion-alpha-3b", n_layer=1, n_embd=64, block_size=16)
+    for name, backend in BACKENDS.items():
+        model = build_model(config, dtype=torch.float32)
+        if backend.before_sharding is not None:
+            backend.before_sharding(model)
+        budget = backend.budgets.default[0] if backend.budgets else None
+        trial = _stablecode_trial(backend=name, budget=budget, distributed_mode=mode, world_size=1)
+        compiled = backend.compile(model, trial, torch.device("cpu"))
+        assert compiled.parameters_owner is model and callable(compiled.forward), name
+        assert (compiled.executors is not None) == backend.thunder, name
+        assert (compiled.memopt is not None) == (name == "thunder+memopt"), name
+        if backend.compile is as_is:
+            x, _ = random_batch(config, batch_size=1, seq_len=16)
+            compiled.forward(x).sum().backward()
+            assert all(p.grad is not None for p in model.parameters()), name
+
+
 def test_trials_round_trip_and_the_committed_rows_read_back():
     """A trial's fields go to the worker and come back equal; every committed row reads back as the
     trial it measured, fields added since it was written taking the values rows had before."""
