@@ -57,6 +57,7 @@ __all__ = [
     "StorageLifetimes",
     "storage_lifetimes",
     "estimate_from_lifetimes",
+    "live_bytes",
     "saved_for_backward",
     "estimate_step",
     "backward_storages",
@@ -529,23 +530,12 @@ def estimate_from_lifetimes(lifetimes: StorageLifetimes) -> MemoryEstimate:
     """``estimate_memory`` of the trace whose ``storage_lifetimes`` these are: each storage's bytes
     summed over its span, and each symbol's workspace added while it runs."""
     n, storage_bytes = len(lifetimes.bsyms), lifetimes.nbytes
-    delta = [0] * (n + 1)  # delta[k]: bytes allocated at symbol k; frees land at k+1
-    for s, (first, last) in lifetimes.spans.items():
-        if first >= 0:
-            delta[first] += storage_bytes[s]
-        if last < n:
-            delta[last + 1] -= storage_bytes[s]
-    input_bytes = sum(storage_bytes[s] for s in lifetimes.input_storages)
-
-    live, cur = [], input_bytes
+    input_bytes, live = live_bytes(n, ((first, last, storage_bytes[s]) for s, (first, last) in lifetimes.spans.items()))
     peak, peak_k = input_bytes, -1
-    for k in range(n):
-        cur += delta[k]
+    for k, (cur, workspace) in enumerate(zip(live, lifetimes.workspace)):
         # While it runs, an op may hold more than its outputs (WORKSPACE_BYTES).
-        during = cur + lifetimes.workspace[k]
-        live.append(cur)
-        if during > peak:
-            peak, peak_k = during, k
+        if cur + workspace > peak:
+            peak, peak_k = cur + workspace, k
     peak_bsym = lifetimes.bsyms[peak_k] if peak_k >= 0 else None
     return MemoryEstimate(
         peak_bytes=peak,
@@ -556,6 +546,27 @@ def estimate_from_lifetimes(lifetimes: StorageLifetimes) -> MemoryEstimate:
         input_bytes=input_bytes,
         output_bytes=sum(storage_bytes[s] for s in lifetimes.returned),
     )
+
+
+def live_bytes(steps: int, spans: Iterable[tuple[int, int, int]]) -> tuple[int, list[int]]:
+    """(bytes live before the first step, bytes live at each of ``steps`` steps) of storages, each
+    given as (first, last, bytes): live at the steps first..last, first -1 for one live from the
+    start, last ``steps`` for one live to the end. The one sum of the liveness model: the estimate
+    adds it up over a trace's spans, the schedule pass over each order it prices."""
+    delta = [0] * (steps + 1)  # delta[k]: bytes allocated at step k; frees land at k+1
+    before = 0
+    for first, last, nbytes in spans:
+        if first < 0:
+            before += nbytes
+        else:
+            delta[first] += nbytes
+        if last < steps:
+            delta[last + 1] -= nbytes
+    live, cur = [], before
+    for k in range(steps):
+        cur += delta[k]
+        live.append(cur)
+    return before, live
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from thunder.core import prims
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
-from thunder_memopt.core.memory import KnownStorages, TensorInfo, is_parameter, storage_nbytes, storage_roots
+from thunder_memopt.core.memory import KnownStorages, TensorInfo, is_parameter, live_bytes, storage_nbytes, storage_roots
 from thunder_memopt.core.ops import SIDE_EFFECT_NAMES, is_collective, is_random, normalized, symbols
 from thunder_memopt.core.trace import (
     is_bookkeeping,
@@ -289,26 +289,25 @@ def build_graph(trace: TraceCtx, known_storages: KnownStorages | None = None) ->
 
 
 def _live_after_alloc(g: ScheduleGraph, order: Sequence[int], held: Sequence[bool]) -> list[int]:
-    """Live bytes at each step of ``order``, just after its node's outputs are allocated.
-
-    A storage dies after its last reader, or after its creator if nothing reads it, unless held;
-    this is ``memory.estimate_memory``'s model over integer ids.
-    """
-    live = g.input_bytes
-    remaining = [len(r) for r in g.readers]
-    nbytes, alloc, reads, creates = g.storage_bytes, g.alloc, g.reads, g.creates
-    out = []
+    """Live bytes at each step of ``order``, just after its node's outputs are allocated: the
+    storages' spans in this order, summed by ``memory.live_bytes``, as ``memory.estimate_memory``
+    sums a trace's. A storage dies after its last reader, or after its creator if nothing reads it,
+    unless held; the trace's inputs are live from the start."""
+    steps = len(order)
+    pos = [0] * steps
+    for i, v in enumerate(order):
+        pos[v] = i
+    born = [-1] * len(g.storage_bytes)
     for v in order:
-        live += alloc[v]
-        out.append(live)
-        for s in reads[v]:
-            remaining[s] -= 1
-            if not remaining[s] and not held[s]:
-                live -= nbytes[s]
-        for s in creates[v]:
-            if not remaining[s] and not held[s]:
-                live -= nbytes[s]
-    return out
+        for s in g.creates[v]:
+            born[s] = pos[v]
+
+    def span(s: int) -> tuple[int, int, int]:
+        if held[s] or (born[s] < 0 and not g.readers[s]):
+            return born[s], steps, g.storage_bytes[s]
+        return born[s], max((pos[r] for r in g.readers[s]), default=born[s]), g.storage_bytes[s]
+
+    return live_bytes(steps, map(span, range(len(g.storage_bytes))))[1]
 
 
 def simulate(g: ScheduleGraph, order: Sequence[int], *, estimate: bool = False) -> tuple[int, int]:
