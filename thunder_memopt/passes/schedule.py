@@ -17,8 +17,9 @@ The pass works on an executed forward, backward or inference trace, in the style
    for memory, and no op crosses one) and for unpacking (first) and the return (last);
 2. price an order with the shared memory model (``thunder_memopt.core.memory``: storages, not proxies;
    a view keeps its base alive; in a backward, the saved tensors live in the forward's storages,
-   so a tensor saved with its view is freed once both are read), re-implemented over integer ids
-   so that one order costs O(n);
+   so a tensor saved with its view is freed once both are read): each storage's span in the
+   order, over integer ids, summed by ``memory.live_bytes`` as the estimate sums a trace's, so
+   that one order costs O(n);
 3. take the best of a few whole-trace orders, the input order and inductor's DFS (its LPMF and BFS
    only ever raised the peak on these traces), then improve it by a peak-directed local search:
    at the peak, postpone a whole independent branch that allocated a live tensor past the peak, or
