@@ -129,10 +129,10 @@ class _NormMlp(torch.nn.Module):
         return x + self.proj(torch.nn.functional.gelu(self.fc(self.norm(x))))
 
 
-def _norm_mlp_step(**jit_options) -> tuple[thunder.ThunderModule, list[torch.Tensor]]:
+def _norm_mlp_step(width: int = 96, **jit_options) -> tuple[thunder.ThunderModule, list[torch.Tensor]]:
     torch.manual_seed(0)
-    model = _NormMlp().bfloat16()
-    x = torch.randn(3, 40, 96, dtype=torch.bfloat16)
+    model = _NormMlp(width).bfloat16()
+    x = torch.randn(3, 40, width, dtype=torch.bfloat16)
     jitted = thunder.jit(model, **jit_options)
     jitted(x).float().square().mean().backward()
     return jitted, [p.grad for p in model.parameters()]
@@ -154,6 +154,24 @@ def test_memopt_compiles_the_final_traces_regions_ahead_through_inductors_cache(
     assert all(fn.layouts_ahead == 1 and fn.layouts_at_call == 0 for fn in functions.values())
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0
     assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] >= len(functions)
+
+
+def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_one_warning(monkeypatch):
+    """Training goes on: the regions (of a width no other test fuses) compile at their first calls,
+    and the step computes what the fusion executor alone computes, bit for bit, as it does when
+    they are compiled ahead."""
+    def failing(traces):
+        raise RuntimeError("no compile workers")
+
+    monkeypatch.setattr(transform_module, "compile_ahead", failing)
+    with pytest.warns(UserWarning, match="fusion regions left to compile at their first calls") as caught:
+        jitted, grads = _norm_mlp_step(80, executors=_cpu_executors(), transforms=[MemoryOptimization()])
+    assert len([w for w in caught if "thunder_memopt" in str(w.message)]) == 1
+    regions = _regions(thunder.last_traces(jitted)[-1]) + _regions(thunder.last_backward_traces(jitted)[-1])
+    functions = {id(fn): fn for b in regions for fn in b._call_ctx.values()}
+    assert functions and all(fn.layouts_ahead == 0 and fn.layouts_at_call == 1 for fn in functions.values())
+    _, fused_grads = _norm_mlp_step(80, executors=_cpu_executors())
+    assert all(torch.equal(a, b) for a, b in zip(grads, fused_grads))
 
 
 def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first_call():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
@@ -183,12 +184,20 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
 
 @contextlib.contextmanager
 def _kernel_waits_deferred(scopes: list[dict]) -> Iterator[None]:
-    """Inductor's compiled modules, loaded meanwhile, return at once from their wait for their Triton
-    kernels (``async_compile.wait(globals())``), their globals left in ``scopes`` to await later."""
+    """Inductor's compiled modules, loaded meanwhile by this thread, return at once from their wait
+    for their Triton kernels (``async_compile.wait(globals())``), their globals left in ``scopes``
+    to await later. Another thread's compilations wait as usual."""
     from torch._inductor.async_compile import AsyncCompile
 
-    wait = AsyncCompile.wait
-    AsyncCompile.wait = lambda self, scope: scopes.append(scope)
+    wait, thread = AsyncCompile.wait, threading.get_ident()
+
+    def deferred(self, scope: dict) -> None:
+        if threading.get_ident() == thread:
+            scopes.append(scope)
+        else:
+            wait(self, scope)
+
+    AsyncCompile.wait = deferred
     try:
         yield
     finally:
