@@ -27,9 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from thunder.core import utils
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
+from thunder.core.utils import ProxyDict
 
 from thunder_memopt.core.memory import estimate_from_lifetimes, storage_lifetimes, storage_roots
 from thunder_memopt.core.trace import (
@@ -68,14 +70,9 @@ def _name(bsym: BoundSymbol) -> str:
     return bsym.sym.name
 
 
-def _consumers(bsyms: Sequence[BoundSymbol]) -> dict[str, list[int]]:
-    """Tensor or future name -> indices of the bound symbols that read it."""
-    readers: dict[str, list[int]] = {}
-    for i, b in enumerate(bsyms):
-        for a in b.flat_proxy_args:
-            if hasattr(a, "name"):
-                readers.setdefault(a.name, []).append(i)
-    return readers
+def _consumers(bsyms: Sequence[BoundSymbol]) -> ProxyDict:
+    """Tensor or future -> indices of the bound symbols that read it (Thunder's ``consumers``)."""
+    return utils.consumers(list(bsyms), _map_to_numbers=True)
 
 
 def _gather_pairs(bsyms: Sequence[BoundSymbol]) -> list[tuple[BoundSymbol, BoundSymbol]]:
@@ -100,7 +97,7 @@ def _reorder_gathers(bsyms: Sequence[BoundSymbol], prefetch: int) -> list[BoundS
     moved = {id(b) for pair in pairs for b in pair}
     rest = [b for b in bsyms if id(b) not in moved]
     readers = _consumers(rest)
-    first_use = {id(w): min(readers.get(w.flat_proxy_outs[0].name, [len(rest) - 1])) for _, w in pairs}
+    first_use = {id(w): min(readers.get(w.flat_proxy_outs[0], [len(rest) - 1])) for _, w in pairs}
     pairs.sort(key=lambda p: first_use[id(p[1])])
     waits_at: dict[int, list[int]] = {}
     for k, (_, w) in enumerate(pairs):
@@ -128,7 +125,7 @@ def schedule_all_gathers(trace: TraceCtx, prefetch: int) -> TraceCtx:
 
 
 def _hoisted_chain(
-    bsyms: Sequence[BoundSymbol], rs_index: int, readers: dict[str, list[int]], producer: dict[str, int]
+    bsyms: Sequence[BoundSymbol], rs_index: int, readers: ProxyDict, producer: dict[str, int]
 ) -> list[int]:
     """The reduce-scatter and the single-input, single-reader ops feeding it (the ``/ world_size``)."""
     chain = [rs_index]
@@ -137,7 +134,7 @@ def _hoisted_chain(
         if len(args) != 1 or args[0].name not in producer:
             return chain
         p = producer[args[0].name]
-        if len(tensor_args(bsyms[p])) != 1 or readers.get(args[0].name) != [chain[-1]]:
+        if len(tensor_args(bsyms[p])) != 1 or readers.get(args[0], None) != [chain[-1]]:
             return chain
         chain.append(p)
 
