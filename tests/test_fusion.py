@@ -140,8 +140,9 @@ def _norm_mlp_step(width: int = 96, **jit_options) -> tuple[thunder.ThunderModul
 
 def test_memopt_compiles_the_final_traces_regions_ahead_through_inductors_cache():
     """MemoryOptimization compiles the regions of a forward and its backward together, ahead of
-    their first calls, for contiguous inputs (the layout they meet here); inductor's FX graph cache
-    serves them rather than being bypassed."""
+    their first calls, for the strides the memory model expects of their inputs, which are the
+    strides they meet (no layout is compiled at a first call); inductor's FX graph cache serves
+    them rather than being bypassed."""
     from torch._dynamo.utils import counters
 
     from thunder_memopt.executors import fusion
@@ -154,6 +155,30 @@ def test_memopt_compiles_the_final_traces_regions_ahead_through_inductors_cache(
     assert all(fn.layouts_ahead == 1 and fn.layouts_at_call == 0 for fn in functions.values())
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0
     assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] >= len(functions)
+
+
+def test_the_memory_model_foresees_the_strides_every_region_meets():
+    """compile_ahead compiles for ``memory.simulated_strides``: on stablecode's fused traces (a
+    region returns a broadcast mask, stride 0 where it is expanded; a backward receives what its
+    forward saved) every region has run for the layout it predicts."""
+    from thunder_memopt.core.memory import simulated_strides
+
+    both = shared_train_step(STABLECODE, {}, **FUSED_SHAPE, executors=_cpu_executors())
+    forward = simulated_strides(both.forward_trace)
+    backward = simulated_strides(both.backward_trace, received=forward)
+    checked = 0
+    for trace, strides in ((both.forward_trace, forward), (both.backward_trace, backward)):
+        for b in _regions(trace):
+            if not all(isinstance(a, TensorProxy) for a in b.args):
+                continue
+            (fn,) = b._call_ctx.values()
+            layout = tuple(tuple(s if n > 1 else 0 for n, s in zip(a.shape, strides[a.name])) for a in b.args)
+            assert layout in fn._by_layout and layout not in fn._not_run_yet, b.sym.name
+            checked += 1
+    assert checked >= 10
+    shapes = {o.name: o.shape for b in both.forward_trace.bound_symbols for o in b.flat_proxy_outs
+              if isinstance(o, TensorProxy)}
+    assert any(s == 0 and n > 1 for name, shape in shapes.items() for s, n in zip(forward[name], shape))  # the mask
 
 
 def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_one_warning(monkeypatch):
@@ -175,20 +200,22 @@ def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_on
 
 
 def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first_call():
-    """Bit for bit, for the contiguous inputs it was compiled ahead for, and for inputs of another
+    """Bit for bit, for the (contiguous) inputs it was compiled ahead for, and for inputs of another
     layout, which it compiles at the call. Inductor's FX graph cache is off, so that each
     compilation generates its code anew."""
-    import types
+    from thunder.core.trace import from_trace
 
     from thunder_memopt.executors import fusion
 
     jitted, _ = _norm_mlp_step(executors=_cpu_executors())
-    region = min(_regions(thunder.last_traces(jitted)[-1]), key=lambda b: len(b.subsymbols))
+    forward = thunder.last_traces(jitted)[-1]
+    region = min(_regions(forward), key=lambda b: len(b.subsymbols))
     (source,) = region._call_ctx.values()
     inputs = list(region.args)
     ahead, at_call = fusion._CompiledRegion(source.fn, inputs), fusion._CompiledRegion(source.fn, inputs)
     with torch._inductor.config.patch(fx_graph_cache=False):
-        trace = types.SimpleNamespace(bound_symbols=[region.from_bsym(_call_ctx={"f": ahead})])
+        trace = from_trace(forward)  # the region alone: its inputs come from nowhere, so contiguous
+        trace.bound_symbols = [region.from_bsym(_call_ctx={"f": ahead})]
         assert fusion.compile_ahead([trace]) == 1
         torch.manual_seed(1)
         args = [torch.randn(a.shape).to(dtypes.to_torch_dtype(a.dtype)) for a in inputs]

@@ -53,6 +53,7 @@ __all__ = [
     "WORKSPACE_BYTES",
     "storage_roots",
     "storage_nbytes",
+    "simulated_strides",
     "estimate_memory",
     "StorageLifetimes",
     "storage_lifetimes",
@@ -204,6 +205,17 @@ def region_output_views(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> di
     """For a torch.compile region: each output that is a view of one of the region's arguments or of
     another of its outputs, with that base's name and the view's strides, from the region's
     decomposition (the cross-entropy region returns the logits' gradient and a reshape of it)."""
+    local, base_of = _region_strides(bsym, strides)
+    outs = tensor_outs(bsym)
+    handles = {a.name for a in tensor_args(bsym)} | {o.name for o in outs}
+    return {o.name: (base_of[o.name], local[o.name]) for o in outs
+            if base_of.get(o.name, o.name) != o.name and base_of[o.name] in handles}
+
+
+def _region_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> tuple[Mapping[str, Strides], dict[str, str]]:
+    """The strides of every tensor a region's decomposition makes, and each one's base (itself if
+    it is not a view): compiled code returns eager's strides, a view of an internal tensor included
+    (a broadcast mask, stride 0 where it is expanded)."""
     local = ChainMap({}, strides)
     base_of = {a.name: a.name for a in tensor_args(bsym)}
     for sub in bsym.subsymbols:
@@ -216,10 +228,34 @@ def region_output_views(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> di
             else:
                 local.maps[0][o.name] = contiguous_strides(o.shape)
                 base_of[o.name] = o.name
-    outs = tensor_outs(bsym)
-    handles = {a.name for a in tensor_args(bsym)} | {o.name for o in outs}
-    return {o.name: (base_of[o.name], local[o.name]) for o in outs
-            if base_of.get(o.name, o.name) != o.name and base_of[o.name] in handles}
+    return local, base_of
+
+
+def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = None) -> dict[str, Strides]:
+    """Each tensor's strides as the model simulates them to tell views: a view's follow its base's
+    (a reshape's where PyTorch can view, an expand's, a transpose's), a region's outputs are as its
+    decomposition makes them, and what any other op allocates is contiguous. What the trace receives
+    is contiguous unless ``received`` gives its strides (a backward's saved tensors, its forward's).
+    Not what the estimate reads: there, an output of a region is its own storage unless it views an
+    argument or another output."""
+    bsyms = [b for b in trace.bound_symbols if b.sym.name not in DELETION_NAMES]
+    received = received or {}
+    strides = {t.name: received.get(t.name, contiguous_strides(t.shape)) for t in received_tensors(trace, bsyms)}
+    for bsym in bsyms:
+        kind = _symbol_facts(bsym).kind
+        outs = tensor_outs(bsym)
+        if kind is _Kind.REGION:
+            local, _ = _region_strides(bsym, strides)
+            made = {o.name: local[o.name] for o in outs}
+        elif kind in (_Kind.ALIASES, _Kind.INPLACE):
+            args = tensor_args(bsym)
+            base = args[_INPLACE_TARGET[bsym.sym.name]] if kind is _Kind.INPLACE else None
+            made = {o.name: strides.get((base or a).name, contiguous_strides(o.shape)) for a, o in zip(args, outs)}
+        else:
+            made = (view_strides(bsym, strides) if kind is _Kind.VIEW else None) or {}
+        for o in outs:
+            strides.setdefault(o.name, made.get(o.name, contiguous_strides(o.shape)))
+    return strides
 
 
 @dataclass(frozen=True)

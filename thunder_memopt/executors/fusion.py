@@ -49,6 +49,7 @@ from thunder.extend import ImplInfo
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from thunder_memopt.core.memory import simulated_strides
 from thunder_memopt.core.ops import fusible_name, leaf_names, moves_data
 from thunder_memopt.core.trace import replace_bound_symbols, strip_deletions
 
@@ -110,7 +111,7 @@ class _CompiledRegion:
         return self._run(*args)
 
     def _run_compiled(self, *args):
-        layout = tuple(a.stride() if isinstance(a, torch.Tensor) else ("value", a) for a in args)
+        layout = tuple(_strides(a) if isinstance(a, torch.Tensor) else ("value", a) for a in args)
         compiled = self._by_layout.get(layout)
         if compiled is not None and layout not in self._not_run_yet:
             return compiled(*args)
@@ -128,40 +129,57 @@ class _CompiledRegion:
     def _add_seconds(self, seconds: float) -> None:
         self.seconds = (self.seconds or 0.0) + seconds
 
-    def contiguous_example(self) -> tuple | None:
-        """Fake contiguous inputs of the region's shapes, or None if an input is not a tensor."""
+    def example(self, strides: Sequence[tuple[int, ...] | None]) -> tuple | None:
+        """Fake inputs of the region's shapes with ``strides`` (None or another rank: contiguous), or
+        None if an input is not a tensor."""
         if self._tensor_inputs is None:
             return None
         with _fake_mode():
-            return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in self._tensor_inputs)
+            return tuple(
+                torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                if stride is not None and len(stride) == len(shape) else torch.empty(shape, dtype=dtype, device=device)
+                for (shape, dtype, device), stride in zip(self._tensor_inputs, strides))
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's strides, those of its dimensions of size 1 as 0: no element's address depends on
+    them, and inductor's checks of its inputs' strides skip them (``assert_size_stride``)."""
+    return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, t.stride()))
 
 
 def compile_ahead(traces: Sequence[TraceCtx]) -> int:
-    """Compiles now, for contiguous inputs, the fusion regions of ``traces`` (final traces, about to
-    run) that are not compiled yet; returns how many it compiled.
+    """Compiles now the fusion regions of ``traces`` (final traces, about to run) that are not
+    compiled yet, for the strides the memory model expects of their inputs
+    (``memory.simulated_strides``: a view's follow its base, anything else is contiguous, and a
+    backward's inputs are as its forward made them; ``traces`` in that order); returns how many it
+    compiled.
 
     Compiled one at a time at their first calls, each region waits for inductor's workers to compile
     its Triton kernels, and in a first step that is half of the compilation time. Here each region
     is lowered while the workers compile the kernels of the regions before it, and the kernels are
-    awaited once, at the end. A region whose inputs turn out not to be contiguous (an expanded mask,
-    a transposed attention output) is compiled for them at its first call, as without this."""
-    regions: dict[int, _CompiledRegion] = {}
+    awaited once, at the end. A region whose inputs come with other strides (a transposed attention
+    output, which the model takes as contiguous) is compiled for them at its first call, as without
+    this."""
+    regions: dict[int, tuple[_CompiledRegion, list]] = {}
+    strides: dict[str, tuple[int, ...]] = {}
     for trace in traces:
+        # A backward receives what its forward saved, with the strides the forward gave it.
+        strides = simulated_strides(trace, received=strides)
         for b in trace.bound_symbols:
             if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor):
                 for fn in b._call_ctx.values():
-                    if isinstance(fn, _CompiledRegion) and fn.seconds is None:
-                        regions.setdefault(id(fn), fn)
+                    if isinstance(fn, _CompiledRegion) and fn.seconds is None and id(fn) not in regions:
+                        regions[id(fn)] = fn, [strides.get(getattr(a, "name", None)) for a in b.args]
     compiled: list[tuple[_CompiledRegion, tuple, Callable, float]] = []
     scopes: list[dict] = []
 
     def lower_each() -> None:  # under no_grad and no autocast, as the regions run
-        for fn in regions.values():
-            example = fn.contiguous_example()
+        for fn, strides in regions.values():
+            example = fn.example(strides)
             if example is None:
                 continue
             start = time.perf_counter()
-            compiled.append((fn, tuple(a.stride() for a in example), _inductor_compiled(fn.fn, example),
+            compiled.append((fn, tuple(map(_strides, example)), _inductor_compiled(fn.fn, example),
                              time.perf_counter() - start))
 
     try:
