@@ -14,8 +14,8 @@ from torch._inductor import memory as inductor_memory
 from torch.utils._ordered_set import OrderedSet
 
 from thunder_memopt import MemoryOptimization
-from thunder_memopt.core.memory import backward_storages, estimate_memory, storage_roots
-from thunder_memopt.core.trace import strip_deletions
+from thunder_memopt.core.memory import backward_storages, estimate_memory, simulated_strides, storage_roots
+from thunder_memopt.core.trace import received_tensors, strip_deletions
 from thunder_memopt.models import build_model, narrow_config, random_batch
 from thunder_memopt.passes.schedule import build_graph, has_side_effects, schedule_trace, simulate
 
@@ -194,6 +194,7 @@ def _run_small(module_cls, passes):
         grads=grads,
         buffers=[b.clone() for b in module.buffers()],
         forward_trace=thunder.last_traces(jitted)[-1],
+        backward_trace=thunder.last_backward_traces(jitted)[-1],
         results=transform.schedule_results,
     )
 
@@ -212,6 +213,17 @@ def test_random_and_in_place_ops_keep_their_order_and_numerics(module_cls):
     assert torch.equal(base.out, scheduled.out)
     for a, b in [*zip(base.grads, scheduled.grads), *zip(base.buffers, scheduled.buffers)]:
         assert torch.equal(a, b)
+
+
+def test_simulated_strides_give_an_in_place_ops_outputs_its_targets():
+    """``memory.simulated_strides`` (the strides compile_ahead compiles regions for) reads in-place
+    ops and a backward that receives its forward's tensors."""
+    step = _run_small(InPlace, SCHEDULED)
+    forward = simulated_strides(step.forward_trace)
+    backward = simulated_strides(step.backward_trace, received=forward)
+    copies = [b for b in step.forward_trace.bound_symbols if b.sym.name == "copy_"]
+    assert copies and all(forward[b.output.name] == forward[b.flat_proxy_args[1].name] for b in copies)
+    assert all(backward[t.name] == forward[t.name] for t in received_tensors(step.backward_trace) if t.name in forward)
 
 
 def _accesses_before_each_write(trace):

@@ -249,8 +249,12 @@ def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = 
             made = {o.name: local[o.name] for o in outs}
         elif kind in (_Kind.ALIASES, _Kind.INPLACE):
             args = tensor_args(bsym)
-            base = args[_INPLACE_TARGET[bsym.sym.name]] if kind is _Kind.INPLACE else None
-            made = {o.name: strides.get((base or a).name, contiguous_strides(o.shape)) for a, o in zip(args, outs)}
+            # update_aliases: each output is its input; an in-place op's outputs are its target.
+            if kind is _Kind.INPLACE:
+                bases = [bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]] * len(outs)
+            else:
+                bases = args
+            made = {o.name: strides.get(base.name, contiguous_strides(o.shape)) for base, o in zip(bases, outs)}
         else:
             made = (view_strides(bsym, strides) if kind is _Kind.VIEW else None) or {}
         for o in outs:

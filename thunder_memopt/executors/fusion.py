@@ -160,16 +160,19 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
     awaited once, at the end. A region whose inputs come with other strides (a transposed attention
     output, which the model takes as contiguous) is compiled for them at its first call, as without
     this."""
+    pending = [[(b, fn) for b in trace.bound_symbols
+                if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor)
+                for fn in b._call_ctx.values() if isinstance(fn, _CompiledRegion) and fn.seconds is None]
+               for trace in traces]
+    if not any(pending):
+        return 0
     regions: dict[int, tuple[_CompiledRegion, list]] = {}
     strides: dict[str, tuple[int, ...]] = {}
-    for trace in traces:
+    for trace, found in zip(traces, pending):
         # A backward receives what its forward saved, with the strides the forward gave it.
         strides = simulated_strides(trace, received=strides)
-        for b in trace.bound_symbols:
-            if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor):
-                for fn in b._call_ctx.values():
-                    if isinstance(fn, _CompiledRegion) and fn.seconds is None and id(fn) not in regions:
-                        regions[id(fn)] = fn, [strides.get(getattr(a, "name", None)) for a in b.args]
+        for b, fn in found:
+            regions.setdefault(id(fn), (fn, [strides.get(getattr(a, "name", None)) for a in b.args]))
     compiled: list[tuple[_CompiledRegion, tuple, Callable, float]] = []
     scopes: list[dict] = []
 
