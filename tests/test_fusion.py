@@ -115,6 +115,22 @@ def test_a_region_is_compiled_again_for_inputs_of_another_layout(monkeypatch):
     assert compiled_for == [((16, 1),), ((1, 8),)] and region.seconds >= 0
 
 
+def test_code_compiled_for_one_stride_of_a_size_1_dimension_runs_for_another():
+    """Layouts leave out the strides of dimensions of size 1 (``fusion._strides``): inductor's code
+    does not read them and its input checks skip them. If a torch release changed that, this fails."""
+    from thunder_memopt.executors import fusion
+
+    def double_sin(a):
+        return ((a.float() * 2).sin().to(torch.bfloat16),)
+
+    with fusion._fake_mode():
+        example = torch.empty_strided((1, 32, 16), (0, 16, 1), dtype=torch.bfloat16)
+    compiled = fusion._inductor_compiled(double_sin, [example])
+    x = torch.randn(1, 32, 16).bfloat16()  # strides (512, 16, 1)
+    assert fusion._strides(x) == fusion._strides(example) and x.stride() != example.stride()
+    assert torch.equal(compiled(x)[0], double_sin(x)[0])
+
+
 class _NormMlp(torch.nn.Module):
     """A block of cheap ops around two matmuls, of shapes no other test fuses: its regions are
     compiled afresh here, not shared with another test's."""
