@@ -46,7 +46,14 @@ from thunder.core import prims
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
-from thunder_memopt.core.memory import KnownStorages, TensorInfo, is_parameter, live_bytes, storage_nbytes, storage_roots
+from thunder_memopt.core.memory import (
+    KnownStorages,
+    TensorInfo,
+    is_parameter,
+    live_bytes,
+    storage_nbytes,
+    storage_roots,
+)
 from thunder_memopt.core.ops import SIDE_EFFECT_NAMES, is_collective, is_random, normalized, symbols
 from thunder_memopt.core.trace import (
     is_bookkeeping,
@@ -289,24 +296,32 @@ def build_graph(trace: TraceCtx, known_storages: KnownStorages | None = None) ->
     )
 
 
-def _live_after_alloc(g: ScheduleGraph, order: Sequence[int], held: Sequence[bool]) -> list[int]:
-    """Live bytes at each step of ``order``, just after its node's outputs are allocated: the
-    storages' spans in this order, summed by ``memory.live_bytes``, as ``memory.estimate_memory``
-    sums a trace's. A storage dies after its last reader, or after its creator if nothing reads it,
-    unless held; the trace's inputs are live from the start."""
-    steps = len(order)
-    pos = [0] * steps
+def _positions(g: ScheduleGraph, order: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """For ``order``: each node's position, and each storage's creator's position (-1 for an input)
+    and last reader's position (-1 if nothing reads it)."""
+    pos = [0] * len(order)
     for i, v in enumerate(order):
         pos[v] = i
     born = [-1] * len(g.storage_bytes)
     for v in order:
         for s in g.creates[v]:
             born[s] = pos[v]
+    last_read = [max((pos[r] for r in rs), default=-1) for rs in g.readers]
+    return pos, born, last_read
+
+
+def _live_after_alloc(g: ScheduleGraph, born: Sequence[int], last_read: Sequence[int],
+                      held: Sequence[bool]) -> list[int]:
+    """Live bytes at each step of an order (its ``_positions``), just after its node's outputs are
+    allocated: the storages' spans in it, summed by ``memory.live_bytes``, as
+    ``memory.estimate_memory`` sums a trace's. A storage dies after its last reader, or after its
+    creator if nothing reads it, unless held; the trace's inputs are live from the start."""
+    steps = len(g.nodes)
 
     def span(s: int) -> tuple[int, int, int]:
-        if held[s] or (born[s] < 0 and not g.readers[s]):
+        if held[s] or (born[s] < 0 and last_read[s] < 0):
             return born[s], steps, g.storage_bytes[s]
-        return born[s], max((pos[r] for r in g.readers[s]), default=born[s]), g.storage_bytes[s]
+        return born[s], max(last_read[s], born[s]), g.storage_bytes[s]
 
     return live_bytes(steps, map(span, range(len(g.storage_bytes))))[1]
 
@@ -317,7 +332,8 @@ def simulate(g: ScheduleGraph, order: Sequence[int], *, estimate: bool = False) 
     ``estimate`` frees what ``memory.estimate_memory`` frees (a backward's parameters); otherwise
     parameters are held, as they are by the module.
     """
-    live = _live_after_alloc(g, order, g.estimate_held if estimate else g.held)
+    _, born, last_read = _positions(g, order)
+    live = _live_after_alloc(g, born, last_read, g.estimate_held if estimate else g.held)
     peak = max(live, default=g.input_bytes)
     if peak <= g.input_bytes:
         return g.input_bytes, -1
@@ -355,15 +371,8 @@ class _Timeline:
     def __init__(self, g: ScheduleGraph, order: Sequence[int]) -> None:
         self.g = g
         self.order = list(order)
-        self.pos = [0] * len(order)
-        for i, v in enumerate(self.order):
-            self.pos[v] = i
-        self.live = _live_after_alloc(g, self.order, g.held)
-        self.last_read = [max((self.pos[r] for r in rs), default=-1) for rs in g.readers]
-        self.born = [-1] * len(g.storage_bytes)  # position of the creator, -1 for inputs
-        for v in self.order:
-            for s in g.creates[v]:
-                self.born[s] = self.pos[v]
+        self.pos, self.born, self.last_read = _positions(g, self.order)
+        self.live = _live_after_alloc(g, self.born, self.last_read, g.held)
 
     def peak(self) -> int:
         return self.live.index(max(self.live))
