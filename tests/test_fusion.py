@@ -47,6 +47,13 @@ def _regions(trace):
     return [b for b in trace.bound_symbols if CPU_FUSION.is_own_fusion(b)]
 
 
+def _compiled_regions(jitted) -> list:
+    """The distinct compiled functions behind the regions of a jitted function's last forward and
+    backward."""
+    regions = _regions(thunder.last_traces(jitted)[-1]) + _regions(thunder.last_backward_traces(jitted)[-1])
+    return list({id(fn): fn for b in regions for fn in b._call_ctx.values()}.values())
+
+
 def _written_bytes(regions):
     return sum(tensor_nbytes(o) for b in regions for o in b.flat_proxy_outs if isinstance(o, TensorProxy))
 
@@ -165,10 +172,9 @@ def test_memopt_compiles_the_final_traces_regions_ahead_through_inductors_cache(
 
     counters["inductor"].clear()
     jitted, _ = _norm_mlp_step(executors=_cpu_executors(), transforms=[MemoryOptimization()])
-    regions = _regions(thunder.last_traces(jitted)[-1]) + _regions(thunder.last_backward_traces(jitted)[-1])
-    functions = {id(fn): fn for b in regions for fn in b._call_ctx.values()}
-    assert regions and all(isinstance(fn, fusion._CompiledRegion) for fn in functions.values())
-    assert all(fn.layouts_ahead == 1 and fn.layouts_at_call == 0 for fn in functions.values())
+    functions = _compiled_regions(jitted)
+    assert functions and all(isinstance(fn, fusion._CompiledRegion) for fn in functions)
+    assert all(fn.layouts_ahead == 1 and fn.layouts_at_call == 0 for fn in functions)
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0
     assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] >= len(functions)
 
@@ -208,9 +214,8 @@ def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_on
     with pytest.warns(UserWarning, match="fusion regions left to compile at their first calls") as caught:
         jitted, grads = _norm_mlp_step(80, executors=_cpu_executors(), transforms=[MemoryOptimization()])
     assert len([w for w in caught if "thunder_memopt" in str(w.message)]) == 1
-    regions = _regions(thunder.last_traces(jitted)[-1]) + _regions(thunder.last_backward_traces(jitted)[-1])
-    functions = {id(fn): fn for b in regions for fn in b._call_ctx.values()}
-    assert functions and all(fn.layouts_ahead == 0 and fn.layouts_at_call == 1 for fn in functions.values())
+    functions = _compiled_regions(jitted)
+    assert functions and all(fn.layouts_ahead == 0 and fn.layouts_at_call == 1 for fn in functions)
     _, fused_grads = _norm_mlp_step(80, executors=_cpu_executors())
     assert all(torch.equal(a, b) for a, b in zip(grads, fused_grads))
 
