@@ -28,7 +28,10 @@
 #   single-h200     one GPU, thunder.jit, 4 layers, T=8192: thunder, thunder+memopt, and recompute only
 #   sc32-per-token  one GPU, FSDP2 with one rank, stablecode 32 layers, zero2, in-graph loss, T=8192 and 16384
 #                   in one invocation: memory per token of eager-ac, inductor, inductor-budget at 0.0 and
-#                   thunder+memopt at 1.0 and 0.0 (issue 16's acceptance; several chunks of --time-limit)
+#                   thunder+memopt at 1.0 and 0.0, thunder+memopt-offload at 0.0 (issue 16's acceptance;
+#                   several chunks of --time-limit)
+#   sc32-long       one GPU, FSDP2 with one rank, stablecode 32 layers, T=131072: eager-ac against
+#                   thunder+memopt-offload at budget 0.0, one warm-up and two measured steps each
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -112,12 +115,18 @@ case "$GROUP" in
     sc32-per-token)
         # One --compile list and both block sizes, so that every slope and ratio is between rows of one
         # invocation (tables.same_invocation: the same command line, within an hour). The budgets are
-        # the registry's flags (python -m benchmarks.fsdp2.backends). thunder+memopt's offload setting
-        # (issue 16, item 2) joins this list once it exists.
+        # the registry's flags (python -m benchmarks.fsdp2.backends).
         CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
             --block-size 8192 16384 --shard-mode zero2 --loss-mode in-graph \
-            --compile eager-ac inductor inductor-budget thunder+memopt --inductor-budget 0.0 --memopt-budget 1.0 0.0 \
+            --compile eager-ac inductor inductor-budget thunder+memopt thunder+memopt-offload \
+            --inductor-budget 0.0 --memopt-budget 1.0 0.0 --offload-budget 0.0 \
             --out "$OUT/stablecode_32l_zero2_1xH200_per_token.jsonl" ;;
+    sc32-long)
+        # One long run in one invocation: full checkpointing against the offload setting at T=131072.
+        CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
+            --block-size 131072 --shard-mode zero2 --loss-mode in-graph --warmup 1 --iters 2 \
+            --compile eager-ac thunder+memopt-offload --offload-budget 0.0 \
+            --out "$OUT/stablecode_32l_zero2_1xH200_T131072.jsonl" ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

@@ -423,9 +423,9 @@ def test_the_backends_come_from_the_registry():
     trials = cli.backend_trials(args, cli.trial_template(args, world_size=2))
     assert [(t.compilation.backend, t.compilation.budget) for t in trials] == [
         ("eager", None), ("eager-ac", None), ("inductor", None), ("inductor-budget", 0.5), ("inductor-budget", 0.25),
-        ("thunder", None), ("thunder+fusion", None), ("thunder+memopt", 1.0)]
+        ("thunder", None), ("thunder+fusion", None), ("thunder+memopt", 1.0), ("thunder+memopt-offload", 0.0)]
     thunder_fsdp, _ = cli.parse_args(["--distributed-mode", "thunder-fsdp"])
-    assert thunder_fsdp.compile == ["thunder", "thunder+fusion", "thunder+memopt"]
+    assert thunder_fsdp.compile == ["thunder", "thunder+fusion", "thunder+memopt", "thunder+memopt-offload"]
 
 
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])
@@ -448,7 +448,9 @@ def test_every_registry_entry_builds_on_cpu(mode):
         compiled = backend.compile(model, trial, torch.device("cpu"))
         assert compiled.parameters_owner is model and callable(compiled.forward), name
         assert (compiled.executors is not None) == backend.thunder, name
-        assert (compiled.memopt is not None) == (name == "thunder+memopt"), name
+        assert (compiled.memopt is not None) == name.startswith("thunder+memopt"), name
+        if compiled.memopt is not None:
+            assert compiled.memopt.offload.value == ("budget" if name == "thunder+memopt-offload" else "off"), name
         if backend.compile is as_is:
             x, _ = random_batch(config, batch_size=1, seq_len=16)
             compiled.forward(x).sum().backward()

@@ -34,15 +34,17 @@ class SavedMeasurement:
     output: object
 
 
-def measure_saved(fn: Callable, *args, parameters: Iterable[torch.Tensor] = (), **kwargs) -> SavedMeasurement:
-    """Run ``fn(*args, **kwargs)`` and sum the bytes of the storages saved for backward."""
+def measure_saved(fn: Callable, *args, parameters: Iterable[torch.Tensor] = (), device: torch.device | None = None,
+                  **kwargs) -> SavedMeasurement:
+    """Run ``fn(*args, **kwargs)`` and sum the bytes of the storages saved for backward; with a
+    ``device``, only those on it (a GPU: saved tensors offloaded to the host are not counted)."""
     excluded = {p.untyped_storage().data_ptr() for p in parameters}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
         s = t.untyped_storage()
         ptr = s.data_ptr()
-        if ptr not in excluded and s.nbytes() > 0:
+        if ptr not in excluded and s.nbytes() > 0 and (device is None or s.device.type == device.type):
             storages[ptr] = s.nbytes()
         return t
 

@@ -19,8 +19,11 @@ function, after its own optimization and ``del_last_used``. The other passes run
    early reduce-scatters (thunder_memopt.passes.collectives).
 3. ``schedule``: reorder each trace (inference traces too) to lower its peak of live bytes
    (thunder_memopt.passes.schedule); the latest function's results are kept in ``schedule_results``. It runs
-   last so that it prices the frees the collectives pass made early, and it keeps the collectives
-   where that pass put them.
+   after the collectives so that it prices the frees that pass made early, and it keeps the
+   collectives where that pass put them.
+4. ``offload`` (when the ``offload`` option is not "off"): once both traces of a pair are final,
+   copy saved tensors to host memory in the forward and reload them in the backward
+   (thunder_memopt.passes.offload); its plans are kept in ``offload_plans``.
 
 Once the backward's passes have run, both traces of the pair are final, and their fusion regions
 are compiled together, ahead of their first calls (thunder_memopt.executors.fusion.compile_ahead).
@@ -42,15 +45,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
+from thunder_memopt.core.cost import DeviceRates, measure_rates
 from thunder_memopt.core.memory import backward_storages
 from thunder_memopt.core.trace import replay_in_backward, saved_proxies, strip_deletions, tensor_args, tensor_outs
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
 from thunder_memopt.passes import collectives, loss_head, recompute, schedule
+from thunder_memopt.passes import offload as offload_module
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
@@ -97,6 +103,13 @@ class MemoryOptimization(Transform):
         passes: which passes run, a subset of ``PASSES``.
         prefetch: all-gathers issued ahead of the one being waited on (thunder fsdp).
         zero3: save shards and re-gather in backward; None detects ``FSDPType.ZERO3``.
+        offload: copy saved tensors to pinned host memory in the forward and back in the backward
+            (thunder_memopt.passes.offload), on CUDA: "off"; "auto", only the copies that the cost
+            model finds hidden behind compute; "budget", also enough of the rest, largest first,
+            that at most ``activation_budget`` of the saved bytes stay on the GPU.
+        offload_rates: the device rates the offload plan is made for; None measures them once on
+            the GPU (``core.cost.measure_rates``). Given, offload also runs on a CPU, copying to a
+            second CPU buffer (for tests).
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
     replays run in the forward's compiled regions and the loss head is fused; with Thunder's
@@ -110,6 +123,8 @@ class MemoryOptimization(Transform):
         passes: Sequence[str] = PASSES,
         prefetch: int = 2,
         zero3: bool | None = None,
+        offload: str = "off",
+        offload_rates: DeviceRates | None = None,
     ) -> None:
         if isinstance(activation_budget, bool) or not isinstance(activation_budget, numbers.Real):
             raise TypeError(f"activation_budget must be a number in [0, 1], got {activation_budget!r}")
@@ -122,6 +137,11 @@ class MemoryOptimization(Transform):
             raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
         if zero3 is not None and not isinstance(zero3, bool):
             raise TypeError(f"zero3 must be None, True or False, got {zero3!r}")
+        modes = [m.value for m in offload_module.OffloadMode]
+        if offload not in modes:
+            raise ValueError(f"offload must be one of {modes}, got {offload!r}")
+        if offload_rates is not None and not isinstance(offload_rates, DeviceRates):
+            raise TypeError(f"offload_rates must be a thunder_memopt.core.cost.DeviceRates, got {offload_rates!r}")
         unknown = [p for p in passes if p not in PASSES]
         if unknown:
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
@@ -130,12 +150,17 @@ class MemoryOptimization(Transform):
         self._pairs: dict[tuple[str, ...], _Pair] = {}
         self._collectives = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
         self.schedule_results: list[schedule.ScheduleResult] = []
+        self.offload = offload_module.OffloadMode(offload)
+        self.offload_rates = offload_rates
+        self.offload_plans: list[offload_module.OffloadPlan] = []
+        self._offload_on_cpu_warned = False
         # Seconds spent in each pass over every trace this instance has seen (compile-time cost).
         self.pass_seconds: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return (
-            f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes})"
+            f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
+            f"offload={self.offload.value!r})"
         )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
@@ -162,6 +187,8 @@ class MemoryOptimization(Transform):
         if TraceTag.BACKWARD in computation_trace.tags:
             pair = self._pairs.pop(tuple(t.name for t in computation_trace.args[0][0]), None)
             backward = self._backward(computation_trace, pair)
+            if pair is not None:
+                backward = self._offload(pair, backward)
             # Thunder builds both callables after this hook: the pair's regions are final here.
             self._compile_ahead([backward] if pair is None else [pair.returned, backward])
             return backward
@@ -261,6 +288,37 @@ class MemoryOptimization(Transform):
                 return self._collectives.backward(trace, zero3)
         scheduled = self._guarded("collectives", "this trace unchanged", lambda: self._collectives.backward(trace, None))
         return trace if scheduled is None else scheduled
+
+    def _offload(self, pair: _Pair, backward: TraceCtx) -> TraceCtx:
+        """The pair's saved tensors offloaded (passes.offload): its backward returned, its forward
+        patched as for a budget's rung (Thunder compiles it after this hook)."""
+        if self.offload is offload_module.OffloadMode.OFF:
+            return backward
+        rates = self.offload_rates
+        if rates is None:
+            devices = {t.device.device_str() for t in saved_proxies(pair.returned)[0]}
+            cuda = sorted(d for d in devices if d.startswith("cuda"))
+            if not cuda:
+                if not self._offload_on_cpu_warned:
+                    self._offload_on_cpu_warned = True
+                    warnings.warn("thunder_memopt: offload is off on CPU (no pinned host memory to copy to); "
+                                  "pass offload_rates to plan and run it with CPU copies")
+                return backward
+            rates = measure_rates(torch.device(cuda[0]))
+
+        def offloaded() -> tuple[offload_module.OffloadPlan, TraceCtx, TraceCtx]:
+            plan = offload_module.plan_offload(pair.returned, backward, mode=self.offload,
+                                               budget=self.activation_budget, rates=rates)
+            return plan, *offload_module.apply_offload(pair.returned, backward, plan)
+
+        done = self._guarded("offload", "the saved tensors on the device", offloaded)
+        if done is None:
+            return backward
+        plan, forward, backward = done
+        pair.returned.bound_symbols = forward.bound_symbols
+        pair.returned.scopes = [pair.returned.bound_symbols]
+        self.offload_plans.append(plan)
+        return backward
 
     def _compile_ahead(self, traces: Sequence[TraceCtx]) -> None:
         """The fusion regions of ``traces`` compiled now, together (``executors.fusion.compile_ahead``).

@@ -106,11 +106,11 @@ def inductor_with_budget(module: torch.nn.Module, trial: Trial, device: torch.de
 
 
 def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device, *, memopt_executors: bool,
-                     memory_optimization: bool) -> Compiled:
+                     memory_optimization: bool, offload: str = "off") -> Compiled:
     """Thunder with its default executors or thunder_memopt's (``memopt_executors``), with or
-    without ``MemoryOptimization``: ``torch.compile`` with Thunder as its backend under fsdp2 (FSDP2's
-    hooks need dynamo in front), ``thunder.distributed.fsdp`` of ``thunder.jit`` under thunder-fsdp,
-    ``thunder.jit`` on one device."""
+    without ``MemoryOptimization`` (and its ``offload`` option): ``torch.compile`` with Thunder as its
+    backend under fsdp2 (FSDP2's hooks need dynamo in front), ``thunder.distributed.fsdp`` of
+    ``thunder.jit`` under thunder-fsdp, ``thunder.jit`` on one device."""
     import thunder
     import torch
 
@@ -126,7 +126,7 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
         from thunder_memopt import MemoryOptimization
 
         passes = {} if options.memopt_passes is None else {"passes": options.memopt_passes}
-        memopt = MemoryOptimization(activation_budget=options.budget, **passes)
+        memopt = MemoryOptimization(activation_budget=options.budget, offload=offload, **passes)
     transforms = [memopt] if memopt is not None else []
     mode = trial.sharding.distributed_mode
     if mode == "fsdp2":
@@ -170,6 +170,15 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True),
             budgets=Budgets("--memopt-budget", (1.0,),
                             "MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")),
+    Backend("thunder+memopt-offload", "the long-context setting: thunder+memopt with MemoryOptimization("
+                                      "activation_budget=--offload-budget, offload='budget'), which copies to "
+                                      "pinned host memory what the budget does not keep on the GPU",
+            thunder=True, own_fields=("memopt_passes", "fusion"),
+            compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True,
+                                      offload="budget"),
+            budgets=Budgets("--offload-budget", (0.0,),
+                            "MemoryOptimization(activation_budget=..., offload='budget') for "
+                            "thunder+memopt-offload (a row each)")),
 )}
 
 # Every option some backend owns: a backend that does not own one ignores it.

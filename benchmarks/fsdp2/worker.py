@@ -293,7 +293,8 @@ class TrainingSession:
         from thunder_memopt.measure import measure_saved
 
         with self.training.forward_parameters() as parameters:
-            saved = measure_saved(self.training.forward, self.input_ids, self.targets, parameters=parameters)
+            saved = measure_saved(self.training.forward, self.input_ids, self.targets, parameters=parameters,
+                                  device=self.device)
             saved.output.backward()
         self.optimizer.zero_grad(set_to_none=True)
         n_layer = self.config.n_layer
@@ -374,6 +375,11 @@ def run(trial_file: Path) -> int:
     if training.memopt is not None:
         result["memopt_warnings"] = memopt_warnings
         result["memopt_pass_s"] = training.memopt.pass_seconds
+        if training.memopt.offload_plans:
+            plans = training.memopt.offload_plans
+            result["offloaded_bytes"] = sum(plan.offloaded_bytes for plan in plans)
+            result["offload_kept_bytes"] = sum(plan.kept_bytes for plan in plans)
+            result["offload_exposed_ms"] = 1e3 * sum(plan.exposed_seconds for plan in plans)
     if training.executors is not None:
         result["executors"] = [ex.name for ex in training.executors]
     if "fusion" in BACKENDS[trial.compilation.backend].own_fields:  # runs thunder_memopt's executors

@@ -50,6 +50,7 @@ __all__ = [
     "StepEstimate",
     "SymbolFacts",
     "tensor_nbytes",
+    "HOST_MEMORY",
     "WORKSPACE_BYTES",
     "storage_roots",
     "storage_nbytes",
@@ -87,12 +88,20 @@ _VIEW_PRIM_IMPLS = {
     "shallow_copy": "shallow_copy",
     "torch_wait_prim_impl": "wait",
     "wait": "wait",
+    "memopt_wait_reload": "wait",  # offload: the reloaded tensor itself, once its copy is waited for
 }
 Strides = tuple[int, ...]
 
 
+# A proxy of a tensor in host memory (a saved tensor offloaded): it takes no device bytes.
+ProxyTag.register_tag("MEMOPT_HOST_MEMORY")
+HOST_MEMORY = ProxyTag.MEMOPT_HOST_MEMORY
+
+
 def tensor_nbytes(t: TensorProxy) -> int:
-    """Bytes of a tensor proxy: numel times the dtype's width."""
+    """Device bytes of a tensor proxy: numel times the dtype's width, none for one in host memory."""
+    if HOST_MEMORY in t.tags:
+        return 0
     # The proxy's own field: ``t.numel`` goes through TensorProxy.__getattr__, a tenth of the
     # memory model's time on long traces.
     numel = t._numel if isinstance(t._numel, int) else t.numel

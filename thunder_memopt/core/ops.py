@@ -38,6 +38,7 @@ __all__ = [
     "RANDOM_NAMES",
     "COLLECTIVE_NAMES",
     "SIDE_EFFECT_NAMES",
+    "OFFLOAD_NAMES",
     "ELEMENTWISE",
     "VIEWS",
     "COPIES",
@@ -62,8 +63,10 @@ COLLECTIVE_NAMES = frozenset({
     "pack", "unpack", "update_bucket_view", "pack_for_fsdp", "unpack_for_fsdp", "stash_grad_for_fsdp",
     "synchronize_tensor_parallel_input", "synchronize_tensor_parallel_output",
 })
-# In-place ops and ops that act on the host.
-SIDE_EFFECT_NAMES = frozenset({"copy_", "copy_with_setitem", "print", "item", "put_grad", "sink"})
+# thunder_memopt's copies of saved tensors to the host and back (executors/offload.py).
+OFFLOAD_NAMES = frozenset({"memopt_offload", "memopt_reload", "memopt_wait_reload"})
+# In-place ops and ops that act on the host or on streams.
+SIDE_EFFECT_NAMES = frozenset({"copy_", "copy_with_setitem", "print", "item", "put_grad", "sink"}) | OFFLOAD_NAMES
 
 ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "true_divide", "floor_divide", "neg", "abs", "exp", "exp2", "expm1",

@@ -32,8 +32,9 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, from_trace
 
+from thunder_memopt.core.cost import estimate_flops
 from thunder_memopt.core.memory import SymbolFacts, TensorInfo, estimate_step, is_parameter, storage_roots
-from thunder_memopt.core.ops import OpKind, moves_data, op_kind, op_names
+from thunder_memopt.core.ops import OpKind, moves_data, op_kind
 from thunder_memopt.core.trace import (
     is_bookkeeping,
     replay_in_backward,
@@ -53,22 +54,6 @@ __all__ = [
     "apply_to_forward",
     "apply_to_backward",
 ]
-
-
-def estimate_flops(bsym: BoundSymbol) -> int:
-    """Rough FLOPs of an expensive op: 2 x output elements x reduction length."""
-    args, outs = tensor_args(bsym), tensor_outs(bsym)
-    if not outs:
-        return 0
-    out_numel = sum(int(o.numel) for o in outs)
-    names = set(op_names(bsym))
-    if names & {"scaled_dot_product_attention"} or any("sdpa" in n or "attention" in n for n in names):
-        q = args[0]
-        seq_k = int(args[1].shape[-2]) if len(args) > 1 else int(q.shape[-2])
-        return 4 * int(q.numel) * seq_k
-    if args and len(args[0].shape) > 0 and names & {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}:
-        return 2 * out_numel * int(args[0].shape[-1])
-    return out_numel
 
 
 @dataclass(frozen=True)

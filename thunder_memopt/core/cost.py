@@ -1,0 +1,88 @@
+"""What ops cost in time: their FLOPs, the bytes they move, and the seconds a device takes for them.
+
+The recompute pass orders its expensive ops by FLOPs (``estimate_flops``). The offload pass asks
+how long a trace computes, before and after each point, which tells the copies that hide behind
+compute from those that would stall it (``op_seconds``, on a roofline of a ``DeviceRates``).
+``measure_rates`` measures a GPU's rates once, at start-up.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from thunder.core.symbol import BoundSymbol
+
+from thunder_memopt.core.memory import tensor_nbytes
+from thunder_memopt.core.ops import moves_data, op_names
+from thunder_memopt.core.trace import is_bookkeeping, tensor_args, tensor_outs
+
+__all__ = ["DeviceRates", "estimate_flops", "op_seconds", "measure_rates"]
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """A device's throughputs, in bytes or FLOPs per second."""
+
+    to_host: float  # device -> pinned host copies
+    to_device: float  # pinned host -> device copies
+    flops: float  # a large bf16 matmul
+    memory: float  # device memory (bytes read plus written by a copy)
+
+
+def estimate_flops(bsym: BoundSymbol) -> int:
+    """Rough FLOPs of an expensive op: 2 x output elements x reduction length."""
+    args, outs = tensor_args(bsym), tensor_outs(bsym)
+    if not outs:
+        return 0
+    out_numel = sum(int(o.numel) for o in outs)
+    names = set(op_names(bsym))
+    if names & {"scaled_dot_product_attention"} or any("sdpa" in n or "attention" in n for n in names):
+        q = args[0]
+        seq_k = int(args[1].shape[-2]) if len(args) > 1 else int(q.shape[-2])
+        return 4 * int(q.numel) * seq_k
+    if args and len(args[0].shape) > 0 and names & {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}:
+        return 2 * out_numel * int(args[0].shape[-1])
+    return out_numel
+
+
+def op_seconds(bsym: BoundSymbol, rates: DeviceRates) -> float:
+    """The time of one bound symbol on the roofline: its FLOPs or the bytes it reads and writes,
+    whichever takes longer. Views, unpacking and deletions take none."""
+    if is_bookkeeping(bsym) or not moves_data(bsym):
+        return 0.0
+    moved = sum(tensor_nbytes(t) for t in (*tensor_args(bsym), *tensor_outs(bsym)))
+    return max(estimate_flops(bsym) / rates.flops, moved / rates.memory)
+
+
+@functools.cache
+def measure_rates(device: torch.device) -> DeviceRates:
+    """A CUDA device's copy, matmul and memory rates, each the best of a few timed runs, measured
+    once per process (about a tenth of a second)."""
+
+    def best_seconds(run, repeats: int = 3) -> float:
+        run()  # warm-up: kernels loaded, pinned blocks cached
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    nbytes = 256 << 20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    other = torch.empty_like(dev)
+    n = 4096
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return DeviceRates(
+        to_host=nbytes / best_seconds(lambda: host.copy_(dev, non_blocking=True)),
+        to_device=nbytes / best_seconds(lambda: dev.copy_(host, non_blocking=True)),
+        flops=2 * n**3 / best_seconds(lambda: a @ b),
+        memory=2 * nbytes / best_seconds(lambda: other.copy_(dev)),
+    )
