@@ -2,9 +2,13 @@
 in the backward, for the offload pass (thunder_memopt.passes.offload).
 
 - ``memopt_offload(t) -> host``: copies ``t`` to pinned host memory on a side stream, once the
-  current stream has produced it. The caller may drop ``t`` at once: a keepalive holds it until
-  the copy has finished (rather than ``record_stream``, which would hold its block until whatever
-  the current stream has queued by the time it is freed has run).
+  current stream has produced it. The caller may drop ``t`` at once: a keepalive holds it.
+- ``memopt_offload_wait(host)``: the current stream waits for the copy and the keepalive lets
+  ``t`` go. Its block is then free for whatever the current stream runs next, with no event to
+  poll: the host runs ahead of the device, so a keepalive dropped when the copy is seen to have
+  ended would hold every source of a forward into its backward; ``record_stream`` would hold the
+  block until all the side stream had queued by then had run. The pass places it where the copy
+  should have ended, after the tensor's last forward reader.
 - ``memopt_reload(host, device) -> t``: allocates ``t`` on the current stream and fills it from
   ``host`` on the side stream, which first waits for the current stream, so that the block is no
   longer read by anything queued before. It returns at once: the copy overlaps what the current
@@ -12,7 +16,9 @@ in the backward, for the offload pass (thunder_memopt.passes.offload).
 - ``memopt_wait_reload(t) -> t``: the current stream waits for ``t``'s copy. The pass puts it just
   before ``t``'s first reader and the reload one reload earlier (a prefetch).
 
-Pinned buffers come from torch's caching host allocator (``pin_memory=True``), a pool that reuses
+A tensor moves with its very strides: the span of storage its elements lie in is copied, so the
+backward's kernels meet the layout the forward made, and an expanded tensor moves only what it
+expands. Pinned buffers come from torch's caching host allocator (``pin_memory=True``), a pool that reuses
 freed blocks once the copies recorded on them have finished; allocating pinned memory anew would
 synchronize the device. On a CPU the ops copy to a second CPU buffer, which stands in for the host
 in tests: the values take the same round trip, so offloaded steps equal unoffloaded ones bit for bit.
@@ -20,24 +26,23 @@ in tests: the values take the same round trip, so offloaded steps equal unoffloa
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import functools
 
 import torch
 from thunder.core import devices, prims
 from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor, register_executor
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from thunder_memopt.core.memory import HOST_MEMORY
 
-__all__ = ["offload_ex", "offload", "reload", "wait_reload", "host_copy_proxy"]
+__all__ = ["offload_ex", "offload", "offload_wait", "reload", "wait_reload", "host_copy_proxy"]
 
 offload_ex = OperatorExecutor("memopt_offload")
 register_executor(offload_ex)
 
-# Sources whose copy to the host has not finished, with the event that says when it has.
-_keepalive: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = collections.deque()
+# Host copies (by id) -> the event of their copy and its source, kept alive until memopt_offload_wait.
+_copying: dict[int, tuple[torch.cuda.Event, torch.Tensor]] = {}
 # Reloaded tensors (by id) -> the event of their copy, for memopt_wait_reload.
 _reloading: dict[int, torch.cuda.Event] = {}
 
@@ -47,18 +52,26 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
-def _release_copied() -> None:
-    """Drop the keepalive of every source whose copy has finished, oldest first (they finish in
-    order: one stream runs them)."""
-    while _keepalive and _keepalive[0][0].query():
-        _keepalive.popleft()
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """(storage offset, element count) of the part of its storage that ``t``'s elements lie in."""
+    if t.numel() == 0:
+        return t.storage_offset(), 0
+    return t.storage_offset(), 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
-def _empty_like_dense(t: torch.Tensor, device: torch.device | str, *, pin_memory: bool = False) -> torch.Tensor:
-    """An empty tensor of ``t``'s shape and dtype, with ``t``'s strides where they are dense (so a
-    round trip keeps the layout the backward's kernels were compiled for), else contiguous."""
-    stride = t.stride() if is_non_overlapping_and_dense_or_false(t) else torch.empty(t.shape, device="meta").stride()
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=device, pin_memory=pin_memory)
+def _moved(t: torch.Tensor, device: torch.device | str, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    """``t`` on ``device`` with its very strides, its span of storage copied (on ``stream`` if given,
+    into pinned memory if to the host): kernels of the backward meet the layout the forward made, and
+    an expanded tensor moves its small storage, not its expansion. The first element keeps its
+    alignment to the allocator's 512 bytes, which some kernels choose by."""
+    offset, extent = _span(t)
+    lead = (offset * t.element_size() % 512) // t.element_size()
+    pinned = torch.device(device).type == "cpu" and t.is_cuda
+    flat = torch.empty(lead + extent, dtype=t.dtype, device=device, pin_memory=pinned)
+    source = t.as_strided((extent,), (1,), offset)
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        flat[lead:].copy_(source, non_blocking=stream is not None)
+    return flat.as_strided(t.shape, t.stride(), lead)
 
 
 def host_copy_proxy(t: TensorProxy) -> TensorProxy:
@@ -71,17 +84,25 @@ def host_copy_proxy(t: TensorProxy) -> TensorProxy:
 
 def _offload_impl(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cuda":
-        return t.clone()
-    _release_copied()
-    host = _empty_like_dense(t, "cpu", pin_memory=True)
+        return _moved(t, "cpu", None)
     side = _side_stream(t.device)
     side.wait_stream(torch.cuda.current_stream(t.device))
-    with torch.cuda.stream(side):
-        host.copy_(t, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(side)
-    _keepalive.append((copied, t))
+    host = _moved(t, "cpu", side)
+    copied = torch.cuda.Event()
+    copied.record(side)
+    _copying[id(host)] = (copied, t)
     return host
+
+
+def _offload_wait_meta(host: TensorProxy) -> None:
+    return None
+
+
+def _offload_wait_impl(host: torch.Tensor) -> None:
+    copying = _copying.pop(id(host), None)
+    if copying is not None:
+        copied, source = copying
+        torch.cuda.current_stream(source.device).wait_event(copied)
 
 
 def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
@@ -90,17 +111,15 @@ def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
 
 def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
     if torch.device(device).type != "cuda":
-        return host.clone()
-    _release_copied()
-    t = _empty_like_dense(host, device)
-    side = _side_stream(t.device)
-    # The block may have been freed by work the current stream has not run yet; the copy to the
-    # host, on this same stream, is ahead of this one already.
-    side.wait_stream(torch.cuda.current_stream(t.device))
-    with torch.cuda.stream(side):
-        t.copy_(host, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(side)
+        return _moved(host, device, None)
+    side = _side_stream(torch.device(device))
+    # The block is allocated on the current stream, and may have been freed by work it has not run
+    # yet: the side stream waits for it. The copy to the host, on the side stream, is ahead already.
+    current = torch.cuda.current_stream(torch.device(device))
+    side.wait_stream(current)
+    t = _moved(host, device, side)
+    copied = torch.cuda.Event()
+    copied.record(side)
     _reloading[id(t)] = copied
     return t
 
@@ -119,5 +138,7 @@ def _wait_impl(t: torch.Tensor) -> torch.Tensor:
 # Kept where the pass puts them; core.ops names them side effects, never replayed or fused.
 _TAGS = (prims.OpTags.DONT_DCE,)
 offload = offload_ex.register_operator("memopt_offload", meta=host_copy_proxy, fn=_offload_impl, tags=_TAGS)
+offload_wait = offload_ex.register_operator("memopt_offload_wait", meta=_offload_wait_meta, fn=_offload_wait_impl,
+                                            tags=_TAGS)
 reload = offload_ex.register_operator("memopt_reload", meta=_reload_meta, fn=_reload_impl, tags=_TAGS)
 wait_reload = offload_ex.register_operator("memopt_wait_reload", meta=_wait_meta, fn=_wait_impl, tags=_TAGS)

@@ -6,8 +6,10 @@ context those tensors grow with every token and outnumber everything else. This 
 final forward and backward of a pair and, for each saved tensor it offloads (executors/offload.py):
 
 - the forward copies it to pinned host memory on a side stream, just after its producer, and
-  returns the host copy as the saved tensor: the GPU copy is freed after its last forward reader
-  (once its copy has finished);
+  returns the host copy as the saved tensor. Where the cost model expects the copy to have ended,
+  and not before the tensor's last forward reader, the forward's stream waits for the copy and
+  lets the GPU tensor go (``memopt_offload_wait``): its block is free from there, for the kernels
+  that follow on that stream;
 - the backward receives the host copy, starts its reload one reload ahead, before the first
   reader of the previous reloaded tensor (the first one at the top), and waits for it just before
   its own first reader. Reloads run in the order the backward reads them.
@@ -49,7 +51,7 @@ from thunder_memopt.core.trace import (
     tensor_outs,
     trace_inputs,
 )
-from thunder_memopt.executors.offload import host_copy_proxy, offload, reload, wait_reload
+from thunder_memopt.executors.offload import host_copy_proxy, offload, offload_wait, reload, wait_reload
 
 __all__ = ["OffloadMode", "OffloadPlan", "plan_offload", "apply_offload", "MIN_BYTES"]
 
@@ -68,6 +70,9 @@ class OffloadPlan:
     """What a pair's forward offloads, and what the cost model expects of it."""
 
     offloaded: tuple[str, ...]  # saved tensors, in forward order
+    # For each: the index, among the forward's computing symbols, after which its stream waits for
+    # the copy and frees the tensor (-1: before the first).
+    released_after: tuple[int, ...]
     offloaded_bytes: int
     kept_bytes: int  # saved activation bytes that stay on the GPU
     to_host_hidden: bool  # every copy to the host ends before the forward does
@@ -78,96 +83,132 @@ class OffloadPlan:
 class _Candidate:
     name: str
     nbytes: int
-    produced_at: float  # forward seconds when it exists (0 for an input)
-    first_read: int  # index of its first reader among the backward's symbols
+    produced: int  # index of its producer among the forward's computing symbols (-1: an input)
+    last_read: int  # index of its last forward reader (its producer's if none)
+    first_read: int  # index of its first reader among the backward's computing symbols
 
 
-def _flat_output_names(forward: TraceCtx) -> set[str]:
-    flat, _ = tree_flatten(forward.bound_symbols[-1].args[0])
-    return {t.name for t in flat if isinstance(t, TensorProxy)}
+@dataclass(frozen=True)
+class _Pair:
+    """A forward and its backward as the plan reads them: their computing symbols, and the seconds
+    of compute before each (one more entry: the total)."""
+
+    forward: tuple[BoundSymbol, ...]
+    backward: tuple[BoundSymbol, ...]
+    forward_times: tuple[float, ...]
+    backward_times: tuple[float, ...]
+
+    @classmethod
+    def of(cls, forward: TraceCtx, backward: TraceCtx, rates: DeviceRates) -> _Pair:
+        fw, bw = _computing(forward), _computing(backward)
+        return cls(fw, bw, _timeline(fw, rates), _timeline(bw, rates))
 
 
-def _timeline(bsyms: Sequence[BoundSymbol], rates: DeviceRates) -> list[float]:
-    """Seconds of compute before each symbol, and the total at the end."""
+def _computing(trace: TraceCtx) -> tuple[BoundSymbol, ...]:
+    return tuple(b for b in strip_deletions(trace).bound_symbols if not is_bookkeeping(b))
+
+
+def _timeline(bsyms: Sequence[BoundSymbol], rates: DeviceRates) -> tuple[float, ...]:
     times, now = [], 0.0
     for b in bsyms:
         times.append(now)
         now += op_seconds(b, rates)
     times.append(now)
-    return times
+    return tuple(times)
 
 
-def _candidates(forward: TraceCtx, backward: TraceCtx, rates: DeviceRates, min_bytes: int
-                ) -> tuple[list[_Candidate], int, list[float]]:
-    """The saved tensors that may be offloaded, the saved activation bytes, and the backward's
-    timeline (see the module docstring for which may)."""
+def _first_and_last_reads(bsyms: Sequence[BoundSymbol]) -> tuple[dict[str, int], dict[str, int]]:
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, b in enumerate(bsyms):
+        for a in b.flat_proxy_args:
+            name = getattr(a, "name", None)
+            first.setdefault(name, i)
+            last[name] = i
+    return first, last
+
+
+def _candidates(forward: TraceCtx, pair: _Pair, min_bytes: int) -> tuple[list[_Candidate], int]:
+    """The saved tensors that may be offloaded (see the module docstring), and the saved activation
+    bytes."""
     saved, _ = saved_proxies(forward)
     infos = storage_roots(forward)
     inputs = {t.name: t for t in trace_inputs(forward)}
-    outputs = _flat_output_names(forward)
-    fw = [b for b in strip_deletions(forward).bound_symbols if not is_bookkeeping(b)]
-    fw_times = _timeline(fw, rates)
-    produced = {o.name: fw_times[i + 1] for i, b in enumerate(fw) for o in tensor_outs(b)}
-    bw = [b for b in strip_deletions(backward).bound_symbols if not is_bookkeeping(b)]
-    first_read: dict[str, int] = {}
-    for i, b in enumerate(bw):
-        for a in b.flat_proxy_args:
-            first_read.setdefault(getattr(a, "name", None), i)
+    flat, _ = tree_flatten(forward.bound_symbols[-1].args[0])
+    outputs = {t.name for t in flat if isinstance(t, TensorProxy)}
+    producer = {o.name: i for i, b in enumerate(pair.forward) for o in tensor_outs(b)}
+    _, last_forward_read = _first_and_last_reads(pair.forward)
+    first_backward_read, _ = _first_and_last_reads(pair.backward)
     storages = [infos[t.name].storage for t in saved]
-    activation_bytes = sum({infos[t.name].storage: infos[infos[t.name].storage].nbytes for t in saved
-                            if not is_parameter(inputs.get(infos[t.name].storage, t))}.values())
+    activation_bytes = sum({s: infos[s].nbytes for t, s in zip(saved, storages)
+                            if not is_parameter(inputs.get(s, t))}.values())
     candidates = []
     for t, storage in zip(saved, storages):
         if (storage != t.name or storages.count(storage) > 1 or is_parameter(t) or t.name in outputs
-                or tensor_nbytes(t) < min_bytes or t.name not in first_read):
+                or tensor_nbytes(t) < min_bytes or t.name not in first_backward_read):
             continue
-        candidates.append(_Candidate(t.name, tensor_nbytes(t), produced.get(t.name, 0.0), first_read[t.name]))
-    return candidates, activation_bytes, _timeline(bw, rates)
+        made = producer.get(t.name, -1)
+        candidates.append(_Candidate(t.name, tensor_nbytes(t), made, max(made, last_forward_read.get(t.name, made)),
+                                     first_backward_read[t.name]))
+    return candidates, activation_bytes
 
 
-def _simulate(chosen: Sequence[_Candidate], forward_seconds: float, bw_times: Sequence[float],
-              rates: DeviceRates) -> tuple[bool, float]:
+def _to_host(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> dict[str, int]:
+    """Where the forward waits for each copy: after the first computing symbol, from the last
+    reader on, by whose end the copy has ended (copies run one after another from their producers'
+    ends); after the last symbol if none."""
+    times, end, released = pair.forward_times, 0.0, {}
+    for c in sorted(chosen, key=lambda c: c.produced):
+        end = max(end, times[c.produced + 1]) + c.nbytes / rates.to_host
+        after = next((i for i in range(max(c.last_read, 0), len(pair.forward)) if times[i + 1] >= end),
+                     len(pair.forward) - 1)
+        released[c.name] = after
+    return released
+
+
+def _exposed(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> tuple[bool, float]:
     """(every copy to the host ends within the forward, seconds the backward waits for reloads)."""
-    free = 0.0
-    for c in sorted(chosen, key=lambda c: c.produced_at):
-        free = max(free, c.produced_at) + c.nbytes / rates.to_host
-    hidden = free <= forward_seconds
+    times, end = pair.forward_times, 0.0
+    for c in sorted(chosen, key=lambda c: c.produced):
+        end = max(end, times[c.produced + 1]) + c.nbytes / rates.to_host
+    hidden = end <= times[-1]
+    times = pair.backward_times
     by_use = sorted(chosen, key=lambda c: c.first_read)
-    free = delay = 0.0
+    end = delay = 0.0
     for j, c in enumerate(by_use):
-        issued = 0.0 if j == 0 else bw_times[by_use[j - 1].first_read] + delay
-        free = max(free, issued) + c.nbytes / rates.to_device
-        needed = bw_times[c.first_read] + delay
-        delay += max(0.0, free - needed)
+        issued = 0.0 if j == 0 else times[by_use[j - 1].first_read] + delay
+        end = max(end, issued) + c.nbytes / rates.to_device
+        delay += max(0.0, end - (times[c.first_read] + delay))
     return hidden, delay
 
 
 def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, budget: float,
                  rates: DeviceRates, min_bytes: int | None = None) -> OffloadPlan:
-    """Which saved tensors of the pair to offload (see the module docstring); ``min_bytes``, the
-    smallest tensor offloaded, defaults to ``MIN_BYTES`` (read when called)."""
-    candidates, activation_bytes, bw_times = _candidates(forward, backward, rates,
-                                                         MIN_BYTES if min_bytes is None else min_bytes)
-    fw = [b for b in strip_deletions(forward).bound_symbols if not is_bookkeeping(b)]
-    forward_seconds = _timeline(fw, rates)[-1]
+    """Which saved tensors of the pair to offload, and where the forward lets each go (see the
+    module docstring); ``min_bytes``, the smallest tensor offloaded, defaults to ``MIN_BYTES`` (read
+    when called)."""
+    pair = _Pair.of(forward, backward, rates)
+    candidates, activation_bytes = _candidates(forward, pair, MIN_BYTES if min_bytes is None else min_bytes)
+    largest_first = sorted(candidates, key=lambda c: -c.nbytes)
     chosen: list[_Candidate] = []
     if mode is not OffloadMode.OFF:
-        for c in sorted(candidates, key=lambda c: -c.nbytes):
-            hidden, delay = _simulate([*chosen, c], forward_seconds, bw_times, rates)
+        for c in largest_first:
+            hidden, delay = _exposed([*chosen, c], pair, rates)
             if hidden and delay == 0.0:
                 chosen.append(c)
     if mode is OffloadMode.BUDGET:
-        allowed = budget * activation_bytes
-        for c in sorted(candidates, key=lambda c: -c.nbytes):
-            if activation_bytes - sum(x.nbytes for x in chosen) <= allowed:
+        for c in largest_first:
+            if activation_bytes - sum(x.nbytes for x in chosen) <= budget * activation_bytes:
                 break
             if c not in chosen:
                 chosen.append(c)
-    hidden, delay = _simulate(chosen, forward_seconds, bw_times, rates)
-    order = {t.name: i for i, t in enumerate(saved_proxies(forward)[0])}
+    chosen.sort(key=lambda c: c.produced)
+    hidden, delay = _exposed(chosen, pair, rates)
+    released = _to_host(chosen, pair, rates)
     offloaded = sum(c.nbytes for c in chosen)
     return OffloadPlan(
-        offloaded=tuple(sorted((c.name for c in chosen), key=order.__getitem__)),
+        offloaded=tuple(c.name for c in chosen),
+        released_after=tuple(released[c.name] for c in chosen),
         offloaded_bytes=offloaded,
         kept_bytes=activation_bytes - offloaded,
         to_host_hidden=hidden,
@@ -177,67 +218,75 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
 
 def apply_offload(forward: TraceCtx, backward: TraceCtx, plan: OffloadPlan) -> tuple[TraceCtx, TraceCtx]:
     """The pair with ``plan``'s tensors offloaded: the forward copies each to the host after its
-    producer and saves the copy, the backward reloads it (one reload ahead) and waits for it before
-    its first reader."""
+    producer, waits for the copy where the plan says and saves the copy; the backward reloads it
+    (one reload ahead) and waits for it before its first reader."""
     if TraceTag.BACKWARD not in backward.tags:
         raise ValueError("apply_offload needs a forward and its backward trace")
     if not plan.offloaded:
         return forward, backward
-    names = set(plan.offloaded)
     saved, others = saved_proxies(forward)
     received, received_others = backward.args[0]
     if [t.name for t in received] != [t.name for t in saved]:
         raise RuntimeError("thunder_memopt offload: the backward does not receive what its forward saves")
+    by_name = {t.name: t for t in saved}
+    with tracectx(forward):  # named in the forward, whose copies below know the names
+        host = {n: host_copy_proxy(by_name[n]) for n in plan.offloaded}
+    new_saved = [host.get(t.name, t) for t in saved]
+    return (_offloading_forward(forward, plan, by_name, host, [*new_saved, *others]),
+            _reloading_backward(backward, plan, by_name, host, [*new_saved, *received_others]))
 
+
+def _offloading_forward(forward: TraceCtx, plan: OffloadPlan, by_name: dict[str, TensorProxy],
+                        host: dict[str, TensorProxy], saved: list) -> TraceCtx:
     fw = strip_deletions(forward)
-    host: dict[str, TensorProxy] = {}
-    copies: dict[str, BoundSymbol] = {}
     with tracectx(fw):
-        for t in saved:
-            if t.name in names:
-                host[t.name] = host_copy_proxy(t)
-                copies[t.name] = offload.bind(t, output=host[t.name])
-    # Each copy right after its producer; a received tensor's before the first computation.
-    produced = {o.name for b in fw.bound_symbols if not is_bookkeeping(b) for o in tensor_outs(b)}
-    received_first = [copies[n] for n in plan.offloaded if n not in produced]
+        copies = {n: offload.bind(by_name[n], output=host[n]) for n in plan.offloaded}
+        releases = {n: offload_wait.bind(host[n], output=None) for n in plan.offloaded}
+    computing = [b for b in fw.bound_symbols if not is_bookkeeping(b)]
+    produced = {o.name for b in computing for o in tensor_outs(b)}
+    after: dict[int, list[BoundSymbol]] = {}  # by id of a computing symbol
+    for n, i in zip(plan.offloaded, plan.released_after):
+        after.setdefault(id(computing[i]) if i >= 0 else None, []).append(releases[n])
+    # A received tensor's copy (and a release planned before any computation) ahead of the first
+    # computing symbol; every other copy right after its producer.
+    ahead = [copies[n] for n in plan.offloaded if n not in produced] + after.pop(None, [])
     placed: list[BoundSymbol] = []
     for b in fw.bound_symbols[:-1]:
-        if is_bookkeeping(b):
-            placed.append(b)
-            continue
-        placed.extend(received_first)
-        received_first = []
+        if not is_bookkeeping(b):
+            placed.extend(ahead)
+            ahead = []
         placed.append(b)
-        placed.extend(copies[o.name] for o in tensor_outs(b) if o.name in copies)
-    fw.bound_symbols = [*placed, *received_first, fw.bound_symbols[-1]]
-    new_saved = [host.get(t.name, t) for t in saved]
-    _update_forward_with_new_saved_for_backward(fw, [*new_saved, *others])
-    new_forward = replace_bound_symbols(fw, fw.bound_symbols, f"thunder_memopt offload: {len(names)} saved "
-                                        "tensors copied to the host (forward)")
+        placed.extend(copies[o.name] for o in tensor_outs(b) if o.name in copies and not is_bookkeeping(b))
+        placed.extend(after.get(id(b), ()))
+    fw.bound_symbols = [*placed, *ahead, fw.bound_symbols[-1]]
+    _update_forward_with_new_saved_for_backward(fw, saved)
+    return replace_bound_symbols(fw, fw.bound_symbols, f"thunder_memopt offload: {len(plan.offloaded)} saved "
+                                 "tensors copied to the host (forward)")
 
+
+def _reloading_backward(backward: TraceCtx, plan: OffloadPlan, by_name: dict[str, TensorProxy],
+                        host: dict[str, TensorProxy], saved: list) -> TraceCtx:
     bw = strip_deletions(backward)
-    _update_backward_with_new_saved_for_backward(bw, [*new_saved, *received_others])
-    by_name = {t.name: t for t in saved}
+    _update_backward_with_new_saved_for_backward(bw, saved)
     first_read: dict[str, int] = {}
     for i, b in enumerate(bw.bound_symbols):
-        if is_bookkeeping(b):
-            continue
-        for a in b.flat_proxy_args:
-            if getattr(a, "name", None) in names:
-                first_read.setdefault(a.name, i)
-    by_use = sorted(names, key=first_read.__getitem__)
+        if not is_bookkeeping(b):
+            for a in b.flat_proxy_args:
+                if getattr(a, "name", None) in host:
+                    first_read.setdefault(a.name, i)
+    by_use = sorted(plan.offloaded, key=first_read.__getitem__)
     # The first reload right after the unpacking of what the backward receives.
+    host_names = {h.name for h in host.values()}
     unpacked = max(i for i, b in enumerate(bw.bound_symbols) for o in b.flat_proxy_outs
-                   if getattr(o, "name", None) in {host[n].name for n in names})
+                   if getattr(o, "name", None) in host_names)
     starts: dict[int, list[BoundSymbol]] = {}
     waits: dict[int, list[BoundSymbol]] = {}
     with tracectx(bw):
         for j, n in enumerate(by_use):
             t = by_name[n]
-            device = t.device.device_str()
             loaded = TensorProxy(like=t, requires_grad=False)
             at = unpacked + 1 if j == 0 else first_read[by_use[j - 1]]
-            starts.setdefault(at, []).append(reload.bind(host[n], device, output=loaded))
+            starts.setdefault(at, []).append(reload.bind(host[n], t.device.device_str(), output=loaded))
             # The wait returns the proxy the backward reads: its readers are unchanged.
             waits.setdefault(first_read[n], []).append(wait_reload.bind(loaded, output=t))
     out: list[BoundSymbol] = []
@@ -245,6 +294,5 @@ def apply_offload(forward: TraceCtx, backward: TraceCtx, plan: OffloadPlan) -> t
         out.extend(starts.get(i, ()))
         out.extend(waits.get(i, ()))
         out.append(b)
-    new_backward = replace_bound_symbols(bw, out, f"thunder_memopt offload: {len(names)} saved tensors "
-                                         "reloaded (backward)")
-    return new_forward, new_backward
+    return replace_bound_symbols(bw, out, f"thunder_memopt offload: {len(plan.offloaded)} saved tensors "
+                                 "reloaded (backward)")
