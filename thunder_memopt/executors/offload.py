@@ -14,7 +14,10 @@ in the backward, for the offload pass (thunder_memopt.passes.offload).
   longer read by anything queued before. It returns at once: the copy overlaps what the current
   stream runs next.
 - ``memopt_wait_reload(t) -> t``: the current stream waits for ``t``'s copy. The pass puts it just
-  before ``t``'s first reader and the reload one reload earlier (a prefetch).
+  before ``t``'s first reader and the reload one reload earlier (a prefetch). Each reload also
+  starts the next one the backward will ask for, the latest offloaded tensor not reloaded yet, so
+  that a program whose backward reads a saved tensor first thing (each Block's under FSDP2) finds
+  it on its way, started during the previous program's backward.
 
 A tensor moves with its very strides: the span of storage its elements lie in is copied, so the
 backward's kernels meet the layout the forward made, and an expanded tensor moves only what it
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from thunder.core import devices, prims
@@ -45,6 +49,11 @@ register_executor(offload_ex)
 _copying: dict[int, tuple[torch.cuda.Event, torch.Tensor]] = {}
 # Reloaded tensors (by id) -> the event of their copy, for memopt_wait_reload.
 _reloading: dict[int, torch.cuda.Event] = {}
+# Host copies not reloaded yet, in the order they were made (by id: a weak reference and the device).
+_offloaded: dict[int, tuple[weakref.ref, str]] = {}
+# The reload started ahead of its call (by the host copy's id): the copy's weak reference, which
+# tells a live copy from a new one at a reused id, the reloaded tensor and its event.
+_prefetched: dict[int, tuple[weakref.ref, torch.Tensor, torch.cuda.Event]] = {}
 
 
 @functools.cache
@@ -91,6 +100,7 @@ def _offload_impl(t: torch.Tensor) -> torch.Tensor:
     copied = torch.cuda.Event()
     copied.record(side)
     _copying[id(host)] = (copied, t)
+    _offloaded[id(host)] = (weakref.ref(host), str(t.device))
     return host
 
 
@@ -109,19 +119,49 @@ def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
     return TensorProxy(like=host, device=devices.to_device(device), requires_grad=False)
 
 
-def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
-    if torch.device(device).type != "cuda":
-        return _moved(host, device, None)
+def _start_reload(host: torch.Tensor, device: str) -> tuple[torch.Tensor, torch.cuda.Event]:
     side = _side_stream(torch.device(device))
     # The block is allocated on the current stream, and may have been freed by work it has not run
     # yet: the side stream waits for it. The copy to the host, on the side stream, is ahead already.
-    current = torch.cuda.current_stream(torch.device(device))
-    side.wait_stream(current)
+    side.wait_stream(torch.cuda.current_stream(torch.device(device)))
     t = _moved(host, device, side)
     copied = torch.cuda.Event()
     copied.record(side)
+    return t, copied
+
+
+def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
+    if torch.device(device).type != "cuda":
+        return _moved(host, device, None)
+    _offloaded.pop(id(host), None)
+    prefetched = _prefetched.pop(id(host), None)
+    if prefetched is not None and prefetched[0]() is host:
+        _, t, copied = prefetched
+    else:
+        t, copied = _start_reload(host, device)
     _reloading[id(t)] = copied
+    _prefetch_next(device)
     return t
+
+
+def _prefetch_next(device: str) -> None:
+    """Start the reload of the latest offloaded tensor not reloaded yet, the one a backward reads
+    next when programs run backward in reverse order (one per Block under FSDP2): its program's own
+    reload, at its top, then finds it on its way. One ahead at most."""
+    for key, (ref, _, _) in list(_prefetched.items()):
+        if ref() is None:
+            del _prefetched[key]  # its backward never ran: the reload is dropped
+    if _prefetched:
+        return
+    while _offloaded:
+        key, (ref, on) = next(reversed(_offloaded.items()))
+        host = ref()
+        if host is None:
+            del _offloaded[key]  # its forward's backward never ran
+            continue
+        if on == device:
+            _prefetched[key] = (ref, *_start_reload(host, device))
+        return
 
 
 def _wait_meta(t: TensorProxy) -> TensorProxy:
