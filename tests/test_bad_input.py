@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
         ({"zero3": "no"}, TypeError, "zero3"),
         ({"zero3": 1}, TypeError, "zero3"),
         ({"fuse_replays": True}, TypeError, "fuse_replays"),
+        ({"offload": "sometimes"}, ValueError, "offload"),
+        ({"offload": True}, ValueError, "offload"),
+        ({"offload_rates": 50e9}, TypeError, "offload_rates"),
     ],
 )
 def test_memory_optimization_rejects_bad_options_naming_them(kwargs, error, named):

@@ -302,6 +302,16 @@ def test_ratios_pair_only_rows_of_one_invocation():
     assert lines == ["| 128 | thunder | 0.75x (3.00 / 4.00 GiB) | 1.100x (55.0 / 50.0 ms) | 10.0 / 10.0 | 2026-12-01 10:00 |"]
 
 
+def test_an_invocation_resumed_in_chunks_is_one_invocation_whatever_its_time_limits():
+    """--time-limit only says when a run stops starting trials: the chunks of one invocation, resumed
+    with another limit, still pair; another --compile list does not."""
+    row = {"date": "2026-12-02T01:15:00+00:00", "command": "benchmark_fsdp2.py --resume --time-limit 6 --compile a b"}
+    later = {"date": "2026-12-02T01:25:00+00:00"}
+    assert tables.same_invocation(row, {**later, "command": "benchmark_fsdp2.py --resume --time-limit 6.5 --compile a b"})
+    assert tables.same_invocation(row, {**later, "command": "benchmark_fsdp2.py --resume --time-limit=9 --compile a b"})
+    assert not tables.same_invocation(row, {**later, "command": "benchmark_fsdp2.py --resume --time-limit 6 --compile a"})
+
+
 def _per_token_rows(peaks: dict[str, tuple[float | None, float | None]], **fields) -> list[dict]:
     """Rows of one invocation at T=8192 and 16384: ``peaks`` gives each backend label's (a backend,
     or ``thunder+memopt@BUDGET``) peak allocated bytes at the two; ``fields`` override every row."""

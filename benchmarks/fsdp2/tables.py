@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -191,11 +192,33 @@ def summary(rows: list[dict]) -> str:
 INVOCATION_SECONDS = 3600
 
 
+# Flags that only say when a run stops starting trials, not what it measures: an invocation resumed
+# in several chunks (--resume) may give each chunk its own.
+CHUNKING_FLAGS = ("--time-limit",)
+
+
+def invocation_command(row: dict) -> str | None:
+    """A row's command line less its ``CHUNKING_FLAGS`` and their values."""
+    command = row.get("command")
+    if command is None:
+        return None
+    words, kept = shlex.split(command), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in CHUNKING_FLAGS:
+            skip = True
+        elif not word.startswith(tuple(f"{flag}=" for flag in CHUNKING_FLAGS)):
+            kept.append(word)
+    return shlex.join(kept)
+
+
 def same_invocation(a: dict, b: dict) -> bool:
-    """Whether two rows come from one invocation of the benchmark (one --compile list), so that a
-    ratio between them cancels the machine's noise."""
+    """Whether two rows come from one invocation of the benchmark (one --compile list, resumed in
+    chunks or not), so that a ratio between them cancels the machine's noise."""
     seconds = abs((datetime.fromisoformat(a["date"]) - datetime.fromisoformat(b["date"])).total_seconds())
-    return a.get("command") == b.get("command") and seconds <= INVOCATION_SECONDS
+    return invocation_command(a) == invocation_command(b) and seconds <= INVOCATION_SECONDS
 
 
 def is_base(row: dict, base: str) -> bool:
