@@ -13,7 +13,7 @@ from _train import assert_same_numerics, shared_train_step, train_step
 import thunder_memopt.passes.offload as offload_pass
 from thunder_memopt import MemoryOptimization, thunderfx_backend
 from thunder_memopt.core.cost import DeviceRates
-from thunder_memopt.core.memory import HOST_MEMORY, estimate_step, saved_for_backward
+from thunder_memopt.core.memory import HOST_MEMORY, estimate_step, saved_for_backward, simulated_strides
 from thunder_memopt.passes.offload import OffloadMode, plan_offload
 
 STABLECODE = "stablecode-completion-alpha-3b"
@@ -82,6 +82,12 @@ def test_offloaded_steps_are_bit_identical_and_keep_only_host_copies_of_what_the
     assert len(copies) == len(plan.offloaded) == len(names(step.forward_trace, "memopt_offload_wait"))
     assert len(names(step.backward_trace, "memopt_reload")) == len(names(step.backward_trace, "memopt_wait_reload"))
     assert all(HOST_MEMORY in b.output.tags for b in copies)
+    # Reloaded tensors are predicted with the strides their sources had in the forward, for which
+    # the backward's fusion regions are compiled ahead.
+    forward_strides = simulated_strides(step.forward_trace)
+    backward_strides = simulated_strides(step.backward_trace, received=forward_strides)
+    for wait in names(step.backward_trace, "memopt_wait_reload"):
+        assert backward_strides[wait.output.name] == forward_strides[wait.output.name]
     # The memory model: what stays saved on the device falls by what was offloaded, and the step's
     # estimated peak does not rise.
     before, after = (estimate_step(s.forward_trace, s.backward_trace) for s in (plain, step))
@@ -89,35 +95,53 @@ def test_offloaded_steps_are_bit_identical_and_keep_only_host_copies_of_what_the
     assert after.peak_bytes <= before.peak_bytes
 
 
+class _TwoBlocks(torch.nn.Module):
+    """Two residual MLP blocks with a graph break between them: dynamo hands ThunderCompiler two
+    subgraphs, each a forward/backward pair of its own (as FSDP2's Blocks are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(2))
+
+    def forward(self, x):
+        x = x + self.blocks[0](x)
+        torch._dynamo.graph_break()
+        return x + self.blocks[1](x)
+
+
+def _two_blocks_step(compile_model, memopt):
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    x = torch.randn(4, 32, 64)
+    out = compile_model(model, memopt)(x)
+    out.square().mean().backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+def _under_thunderfx(model, memopt):
+    torch._dynamo.reset()
+    return torch.compile(model, backend=thunderfx_backend(memopt))
+
+
 def test_offload_under_thunderfx_backend_is_bit_identical(every_tensor_offloadable):
-    from thunder_memopt.models import build_model, narrow_config, random_batch
-
-    config = narrow_config(STABLECODE, n_layer=2, n_embd=256, block_size=128)
-
-    def run(memopt):
-        torch._dynamo.reset()
-        model = build_model(config)
-        x, y = random_batch(config, batch_size=1, seq_len=128)
-        logits = torch.compile(model, backend=thunderfx_backend(memopt))(x)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        return loss.detach(), [p.grad for p in model.parameters()]
-
-    reference = run(MemoryOptimization(activation_budget=0.0))
+    reference = _two_blocks_step(_under_thunderfx, MemoryOptimization(activation_budget=0.0))
     memopt = MemoryOptimization(activation_budget=0.0, offload="budget", offload_rates=FAST)
-    offloaded = run(memopt)
-    assert sum(len(plan.offloaded) for plan in memopt.offload_plans) > 0
+    offloaded = _two_blocks_step(_under_thunderfx, memopt)
+    assert len(memopt.offload_plans) == 2 and all(plan.offloaded for plan in memopt.offload_plans)
     assert torch.equal(reference[0], offloaded[0])
     assert all(torch.equal(a, b) for a, b in zip(reference[1], offloaded[1]))
 
 
 def test_offload_is_off_on_cpu_without_rates_with_one_warning(every_tensor_offloadable):
+    import thunder
+
     memopt = MemoryOptimization(activation_budget=0.0, offload="auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = train_step(STABLECODE, [memopt])
+        _two_blocks_step(_under_thunderfx, memopt)
+        _two_blocks_step(lambda model, m: thunder.jit(model, transforms=[m]), memopt)
     assert [str(w.message) for w in caught if "offload" in str(w.message)] == [
         "thunder_memopt: offload is off on CPU (no pinned host memory to copy to); "
         "pass offload_rates to plan and run it with CPU copies"]
     assert memopt.offload_plans == []
-    assert not any(b.sym.name == "memopt_offload" for b in step.forward_trace.bound_symbols)

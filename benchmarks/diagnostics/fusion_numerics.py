@@ -12,13 +12,13 @@ loss after three steps within 1% of inductor's. Run on a GPU:
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 
 import thunder
 import torch
 
+from _numerics_args import numerics_parser, parse_on_gpu
 from thunder_memopt import MemoryOptimization, executors
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 
@@ -65,13 +65,8 @@ def group_of(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["stablecode-completion-alpha-3b", "Llama-3-8B"])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU")
+    parser = numerics_parser(__doc__, models=["stablecode-completion-alpha-3b", "Llama-3-8B"], seq_len=2048)
+    args = parse_on_gpu(parser, argv)
     failed = False
     for model_name in args.models:
         results = {b: run(model_name, b, args.layers, args.seq_len) for b in BACKENDS}

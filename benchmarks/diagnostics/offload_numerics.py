@@ -15,13 +15,14 @@ Run on a GPU:
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import thunder
 import torch
 
+from _numerics_args import numerics_parser, parse_on_gpu
 from thunder_memopt import MemoryOptimization, executors
+from thunder_memopt.arguments import fraction
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 
 STEPS = 3
@@ -66,14 +67,9 @@ def largest_difference(a, b) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["stablecode-completion-alpha-3b"])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--budget", type=float, default=0.0)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU")
+    parser = numerics_parser(__doc__, models=["stablecode-completion-alpha-3b"], seq_len=8192)
+    parser.add_argument("--budget", type=fraction, default=0.0)
+    args = parse_on_gpu(parser, argv)
     failed = False
     for model_name in args.models:
         off = run(model_name, "off", args.layers, args.seq_len, args.budget)

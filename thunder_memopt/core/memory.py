@@ -91,6 +91,8 @@ _VIEW_PRIM_IMPLS = {
     "memopt_wait_reload": "wait",  # offload: the reloaded tensor itself, once its copy is waited for
 }
 Strides = tuple[int, ...]
+# Copies whose output has its input's strides: offload's host copy and its reload.
+_STRIDED_COPIES = {"memopt_offload", "memopt_reload"}
 
 
 # A proxy of a tensor in host memory (a saved tensor offloaded): it takes no device bytes.
@@ -243,7 +245,8 @@ def _region_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> tuple[
 def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = None) -> dict[str, Strides]:
     """Each tensor's strides as the model simulates them to tell views: a view's follow its base's
     (a reshape's where PyTorch can view, an expand's, a transpose's), a region's outputs are as its
-    decomposition makes them, and what any other op allocates is contiguous. What the trace receives
+    decomposition makes them, offload's copies keep their source's, and what any other op allocates
+    is contiguous. What the trace receives
     is contiguous unless ``received`` gives its strides (a backward's saved tensors, its forward's).
     Not what the estimate reads: there, an output of a region is its own storage unless it views an
     argument or another output."""
@@ -264,6 +267,8 @@ def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = 
             else:
                 bases = args
             made = {o.name: strides.get(base.name, contiguous_strides(o.shape)) for base, o in zip(bases, outs)}
+        elif bsym.sym.name in _STRIDED_COPIES:
+            made = {outs[0].name: strides[tensor_args(bsym)[0].name]}
         else:
             made = (view_strides(bsym, strides) if kind is _Kind.VIEW else None) or {}
         for o in outs:

@@ -34,6 +34,7 @@ __all__ = [
     "trace_inputs",
     "received_tensors",
     "saved_proxies",
+    "forward_outputs",
     "strip_deletions",
     "replace_bound_symbols",
     "save_in_forward",
@@ -94,6 +95,13 @@ def saved_proxies(forward_trace: TraceCtx) -> tuple[list, list]:
         raise ValueError("not an augmented forward trace: it returns nothing for backward")
     tensors, others = ret.args[1]
     return list(tensors), list(others)
+
+
+def forward_outputs(forward_trace: TraceCtx) -> list[str]:
+    """The names of the tensors an augmented forward trace returns to its caller (its
+    ``flat_output``; its ``flat_args`` are what it received)."""
+    flat, _ = tree_flatten(forward_trace.bound_symbols[-1].args[0].get("flat_output", ()))
+    return [t.name for t in flat if isinstance(t, TensorProxy)]
 
 
 def strip_deletions(trace: TraceCtx) -> TraceCtx:

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag, tracectx
 from thunder.core.transforms import (
@@ -44,6 +43,7 @@ from thunder.core.transforms import (
 from thunder_memopt.core.cost import DeviceRates, op_seconds
 from thunder_memopt.core.memory import is_parameter, storage_roots, tensor_nbytes
 from thunder_memopt.core.trace import (
+    forward_outputs,
     is_bookkeeping,
     replace_bound_symbols,
     saved_proxies,
@@ -134,8 +134,7 @@ def _candidates(forward: TraceCtx, pair: _Pair, min_bytes: int) -> tuple[list[_C
     saved, _ = saved_proxies(forward)
     infos = storage_roots(forward)
     inputs = {t.name: t for t in trace_inputs(forward)}
-    flat, _ = tree_flatten(forward.bound_symbols[-1].args[0])
-    outputs = {t.name for t in flat if isinstance(t, TensorProxy)}
+    outputs = set(forward_outputs(forward))
     producer = {o.name: i for i, b in enumerate(pair.forward) for o in tensor_outs(b)}
     _, last_forward_read = _first_and_last_reads(pair.forward)
     first_backward_read, _ = _first_and_last_reads(pair.backward)

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import networkx as nx
 from networkx.algorithms.flow import boykov_kolmogorov
 from thunder.core.proxies import TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, from_trace
 
@@ -36,6 +35,7 @@ from thunder_memopt.core.cost import estimate_flops
 from thunder_memopt.core.memory import SymbolFacts, TensorInfo, estimate_step, is_parameter, storage_roots
 from thunder_memopt.core.ops import OpKind, moves_data, op_kind
 from thunder_memopt.core.trace import (
+    forward_outputs,
     is_bookkeeping,
     replay_in_backward,
     save_in_forward,
@@ -100,15 +100,10 @@ def _forward_graph(trace: TraceCtx) -> _ForwardGraph:
         cost=cost,
         inputs=frozenset(t.name for t in inputs),
         needed=tuple(needed),
-        outputs=tuple(_forward_outputs(trace)),
+        outputs=tuple(forward_outputs(trace)),
         infos=infos,
         proxies=proxies,
     )
-
-
-def _forward_outputs(trace: TraceCtx) -> list[str]:
-    flat, _ = tree_flatten(trace.bound_symbols[-1].args[0].get("flat_output", ()))
-    return [t.name for t in flat if isinstance(t, TensorProxy)]
 
 
 class _CutNetwork:
