@@ -15,12 +15,12 @@ final forward and backward of a pair and, for each saved tensor it offloads (exe
   its own first reader. Reloads run in the order the backward reads them.
 
 Which tensors: saved activations that own their storage (not views, not parameters, not the
-forward's own outputs, which the caller holds anyway), of at least ``min_bytes``. The choice is
-made on a cost model (``core.cost``): the copies run one after another on one stream, the forward's
-while it computes, the backward's behind the compute before each first reader; a copy hides when it
-ends before it is needed. ``OffloadMode``: ``auto`` offloads only what hides; ``budget`` also
-offloads, largest first, what it must for at most ``activation_budget`` of the saved bytes to stay
-on the GPU (all of it at budget 0.0).
+forward's own outputs nor received tensors that need no gradient, which the caller holds anyway),
+of at least ``min_bytes``. The choice is made on a cost model (``core.cost``): the copies run one
+after another on one stream, the forward's while it computes, the backward's behind the compute
+before each first reader; a copy hides when it ends before it is needed. ``OffloadMode``: ``auto``
+offloads only what hides; ``budget`` also offloads, largest first, what it must for at most
+``activation_budget`` of the saved bytes to stay on the GPU (all of it at budget 0.0).
 
 The memory model counts what is on the GPU: a host copy takes no device bytes, a reloaded tensor
 its bytes from its reload on.
@@ -143,10 +143,12 @@ def _candidates(forward: TraceCtx, pair: _Pair, min_bytes: int) -> tuple[list[_C
                             if not is_parameter(inputs.get(s, t))}.values())
     candidates = []
     for t, storage in zip(saved, storages):
-        if (storage != t.name or storages.count(storage) > 1 or is_parameter(t) or t.name in outputs
-                or tensor_nbytes(t) < min_bytes or t.name not in first_backward_read):
-            continue
         made = producer.get(t.name, -1)
+        # A received tensor that needs no gradient (a rope table, a mask) is the caller's to hold.
+        held_by_caller = made < 0 and not t.requires_grad
+        if (storage != t.name or storages.count(storage) > 1 or is_parameter(t) or t.name in outputs
+                or held_by_caller or tensor_nbytes(t) < min_bytes or t.name not in first_backward_read):
+            continue
         candidates.append(_Candidate(t.name, tensor_nbytes(t), made, max(made, last_forward_read.get(t.name, made)),
                                      first_backward_read[t.name]))
     return candidates, activation_bytes
