@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from thunder_memopt import MemoryOptimization, thunderfx_backend
+from thunder_memopt.arguments import litgpt_model_name, positive_int
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 
@@ -27,10 +28,10 @@ def shard(model, on_gpu: bool, reshard_after_forward: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-name", default="stablecode-completion-alpha-3b")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=None, help="default: 4096 on GPU, 128 on CPU")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b")
+    p.add_argument("--n-layer", type=positive_int, default=2)
+    p.add_argument("--block-size", type=positive_int, default=None, help="default: 4096 on GPU, 128 on CPU")
+    p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--zero3", action="store_true", help="reshard after forward")
     args = p.parse_args()
 

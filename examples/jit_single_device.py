@@ -2,6 +2,7 @@
 a GPU or, without one, on CPU (where the fusion executor, CUDA's, claims nothing).
 
     python examples/jit_single_device.py --model-name pythia-160m --n-layer 4 --steps 5
+    python examples/jit_single_device.py --budget 0.0 --offload budget   # long context: saved tensors to the host
 """
 
 import argparse
@@ -11,16 +12,19 @@ import thunder
 import torch
 
 from thunder_memopt import MemoryOptimization, executors
+from thunder_memopt.arguments import fraction, litgpt_model_name, positive_int
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-name", default="stablecode-completion-alpha-3b")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=None, help="default: 2048 on GPU, 256 on CPU")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--budget", type=float, default=1.0, help="activation_budget in [0, 1]")
+    p.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b")
+    p.add_argument("--n-layer", type=positive_int, default=2)
+    p.add_argument("--block-size", type=positive_int, default=None, help="default: 2048 on GPU, 256 on CPU")
+    p.add_argument("--steps", type=positive_int, default=3)
+    p.add_argument("--budget", type=fraction, default=1.0, help="activation_budget in [0, 1]")
+    p.add_argument("--offload", choices=["off", "auto", "budget"], default="off",
+                   help="MemoryOptimization(offload=...): saved tensors to pinned host memory (CUDA only)")
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -29,7 +33,8 @@ def main() -> None:
     # On CPU the model is narrowed to width 256 so that it runs anywhere.
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=None if on_gpu else 256, block_size=block_size)
     model = build_model(cfg, device=device)
-    jitted = thunder.jit(model, executors=executors(), transforms=[MemoryOptimization(activation_budget=args.budget)])
+    memopt = MemoryOptimization(activation_budget=args.budget, offload=args.offload)
+    jitted = thunder.jit(model, executors=executors(), transforms=[memopt])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
     for step in range(args.steps):
