@@ -145,3 +145,21 @@ def test_offload_is_off_on_cpu_without_rates_with_one_warning(every_tensor_offlo
         "thunder_memopt: offload is off on CPU (no pinned host memory to copy to); "
         "pass offload_rates to plan and run it with CPU copies"]
     assert memopt.offload_plans == []
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(24.0).reshape(2, 3, 4).transpose(0, 2),  # dense, not contiguous
+    lambda: torch.arange(6.0).reshape(1, 6).expand(5, 6),  # stride 0: its storage is 6 elements
+    lambda: torch.arange(40.0).reshape(8, 5)[3:, 1:4],  # a slice at an offset, not dense
+], ids=["transposed", "expanded", "sliced"])
+def test_a_moved_tensor_keeps_its_strides_and_moves_only_its_span(make):
+    from thunder_memopt.executors.offload import _moved
+
+    t = make()
+    moved = _moved(t, "cpu", None)
+    assert torch.equal(moved, t) and moved.stride() == t.stride()
+    assert moved.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    offset, extent = t.storage_offset(), 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    # Its storage is the span, behind the elements that keep the offset's alignment to 512 bytes.
+    assert moved.untyped_storage().nbytes() == (moved.storage_offset() + extent) * t.element_size()
+    assert moved.storage_offset() * t.element_size() == offset * t.element_size() % 512
