@@ -5,6 +5,7 @@ as no device bytes. The narrowed models' saved tensors are below ``MIN_BYTES``, 
 train lower it."""
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -163,3 +164,19 @@ def test_a_moved_tensor_keeps_its_strides_and_moves_only_its_span(make):
     # Its storage is the span, behind the elements that keep the offset's alignment to 512 bytes.
     assert moved.untyped_storage().nbytes() == (moved.storage_offset() + extent) * t.element_size()
     assert moved.storage_offset() * t.element_size() == offset * t.element_size() % 512
+
+
+def test_the_prefetch_takes_the_latest_forward_calls_first_reload():
+    """Under FSDP2 each Block is a program: the Block whose backward runs next is the latest forward
+    call with copies left, and of those it reloads the one of rank 0 first (at budget 0.0, the
+    Block's input, though its forward copied it first of all)."""
+    from thunder_memopt.executors.offload import _Offloaded, next_to_prefetch
+
+    copies = [torch.zeros(1) for _ in range(5)]
+    entry = lambda i, group, rank, device="cuda:0": _Offloaded(weakref.ref(copies[i]), device, group, rank)  # noqa: E731
+    offloaded = {0: entry(0, 1, 0), 1: entry(1, 1, 1), 2: entry(2, 2, 1), 3: entry(3, 2, 0), 4: entry(4, 2, 2)}
+    assert next_to_prefetch(offloaded, "cuda:0") == 3
+    del offloaded[3], offloaded[2], offloaded[4]  # the latest Block's backward reloaded them
+    assert next_to_prefetch(offloaded, "cuda:0") == 0
+    assert next_to_prefetch(offloaded, "cuda:1") is None
+    assert next_to_prefetch({0: _Offloaded(weakref.ref(torch.zeros(1)), "cuda:0", 3, 0)}, "cuda:0") is None  # dead

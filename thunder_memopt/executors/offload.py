@@ -1,8 +1,10 @@
 """``offload_ex``: the ops that move a saved tensor to host memory in the forward and bring it back
 in the backward, for the offload pass (thunder_memopt.passes.offload).
 
-- ``memopt_offload(t) -> host``: copies ``t`` to pinned host memory on a side stream, once the
-  current stream has produced it. The caller may drop ``t`` at once: a keepalive holds it.
+- ``memopt_offload(t, reload_rank, opens_group) -> host``: copies ``t`` to pinned host memory on a
+  side stream, once the current stream has produced it. The caller may drop ``t`` at once: a
+  keepalive holds it. ``reload_rank`` is its place in its backward's order of reloads, and the
+  first copy of each forward call opens a group: the prefetch below reads both.
 - ``memopt_offload_wait(host)``: the current stream waits for the copy and the keepalive lets
   ``t`` go. Its block is then free for whatever the current stream runs next, with no event to
   poll: the host runs ahead of the device, so a keepalive dropped when the copy is seen to have
@@ -15,9 +17,10 @@ in the backward, for the offload pass (thunder_memopt.passes.offload).
   stream runs next.
 - ``memopt_wait_reload(t) -> t``: the current stream waits for ``t``'s copy. The pass puts it just
   before ``t``'s first reader and the reload one reload earlier (a prefetch). Each reload also
-  starts the next one the backward will ask for, the latest offloaded tensor not reloaded yet, so
-  that a program whose backward reads a saved tensor first thing (each Block's under FSDP2) finds
-  it on its way, started during the previous program's backward.
+  starts the next one the backward will ask for (``next_to_prefetch``: the latest forward call's
+  first copy in its backward's order), so that a program whose backward reads a saved tensor
+  first thing (each Block's under FSDP2) finds it on its way, started during the previous
+  program's backward.
 
 A tensor moves with its very strides: the span of storage its elements lie in is copied, so the
 backward's kernels meet the layout the forward made, and an expanded tensor moves only what it
@@ -31,7 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 from thunder.core import devices, prims
@@ -40,7 +46,7 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import HOST_MEMORY
 
-__all__ = ["offload_ex", "offload", "offload_wait", "reload", "wait_reload", "host_copy_proxy"]
+__all__ = ["offload_ex", "offload", "offload_wait", "reload", "wait_reload", "host_copy_proxy", "next_to_prefetch"]
 
 offload_ex = OperatorExecutor("memopt_offload")
 register_executor(offload_ex)
@@ -49,8 +55,21 @@ register_executor(offload_ex)
 _copying: dict[int, tuple[torch.cuda.Event, torch.Tensor]] = {}
 # Reloaded tensors (by id) -> the event of their copy, for memopt_wait_reload.
 _reloading: dict[int, torch.cuda.Event] = {}
-# Host copies not reloaded yet, in the order they were made (by id: a weak reference and the device).
-_offloaded: dict[int, tuple[weakref.ref, str]] = {}
+
+
+class _Offloaded(NamedTuple):
+    """A host copy not reloaded yet."""
+
+    ref: weakref.ref  # to the host copy
+    device: str  # where it is reloaded
+    group: int  # the forward call that made it (one per call, increasing)
+    rank: int  # its place in its backward's order of reloads (0: reloaded first)
+
+
+# Host copies not reloaded yet, by id.
+_offloaded: dict[int, _Offloaded] = {}
+_groups = itertools.count(1)
+_group = 0
 # The reload started ahead of its call (by the host copy's id): the copy's weak reference, which
 # tells a live copy from a new one at a reused id, the reloaded tensor and its event.
 _prefetched: dict[int, tuple[weakref.ref, torch.Tensor, torch.cuda.Event]] = {}
@@ -91,16 +110,23 @@ def host_copy_proxy(t: TensorProxy) -> TensorProxy:
     return out
 
 
-def _offload_impl(t: torch.Tensor) -> torch.Tensor:
+def _offload_meta(t: TensorProxy, reload_rank: int, opens_group: bool) -> TensorProxy:
+    return host_copy_proxy(t)
+
+
+def _offload_impl(t: torch.Tensor, reload_rank: int, opens_group: bool) -> torch.Tensor:
+    global _group
     if t.device.type != "cuda":
         return _moved(t, "cpu", None)
+    if opens_group:
+        _group = next(_groups)
     side = _side_stream(t.device)
     side.wait_stream(torch.cuda.current_stream(t.device))
     host = _moved(t, "cpu", side)
     copied = torch.cuda.Event()
     copied.record(side)
     _copying[id(host)] = (copied, t)
-    _offloaded[id(host)] = (weakref.ref(host), str(t.device))
+    _offloaded[id(host)] = _Offloaded(weakref.ref(host), str(t.device), _group, reload_rank)
     return host
 
 
@@ -145,23 +171,29 @@ def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
 
 
 def _prefetch_next(device: str) -> None:
-    """Start the reload of the latest offloaded tensor not reloaded yet, the one a backward reads
-    next when programs run backward in reverse order (one per Block under FSDP2): its program's own
-    reload, at its top, then finds it on its way. One ahead at most."""
+    """Start the reload the backward will ask for next (``next_to_prefetch``), one ahead at most."""
     for key, (ref, _, _) in list(_prefetched.items()):
         if ref() is None:
             del _prefetched[key]  # its backward never ran: the reload is dropped
-    if _prefetched:
-        return
-    while _offloaded:
-        key, (ref, on) = next(reversed(_offloaded.items()))
-        host = ref()
-        if host is None:
+    for key, entry in list(_offloaded.items()):
+        if entry.ref() is None:
             del _offloaded[key]  # its forward's backward never ran
-            continue
-        if on == device:
-            _prefetched[key] = (ref, *_start_reload(host, device))
-        return
+    key = None if _prefetched else next_to_prefetch(_offloaded, device)
+    if key is not None:
+        entry = _offloaded[key]
+        _prefetched[key] = (entry.ref, *_start_reload(entry.ref(), device))
+
+
+def next_to_prefetch(offloaded: Mapping[int, _Offloaded], device: str) -> int | None:
+    """Of the host copies not reloaded yet, the one a backward reloads next: programs run their
+    backwards in the reverse order of their forwards (one per Block under FSDP2), so the latest
+    forward call's, and of its copies the first in its backward's order. A program whose backward
+    reads a saved tensor first thing then finds it on its way, started during the previous one's."""
+    live = [(key, entry) for key, entry in offloaded.items() if entry.device == device and entry.ref() is not None]
+    if not live:
+        return None
+    latest = max(entry.group for _, entry in live)
+    return min((entry.rank, key) for key, entry in live if entry.group == latest)[1]
 
 
 def _wait_meta(t: TensorProxy) -> TensorProxy:
@@ -177,7 +209,7 @@ def _wait_impl(t: torch.Tensor) -> torch.Tensor:
 
 # Kept where the pass puts them; core.ops names them side effects, never replayed or fused.
 _TAGS = (prims.OpTags.DONT_DCE,)
-offload = offload_ex.register_operator("memopt_offload", meta=host_copy_proxy, fn=_offload_impl, tags=_TAGS)
+offload = offload_ex.register_operator("memopt_offload", meta=_offload_meta, fn=_offload_impl, tags=_TAGS)
 offload_wait = offload_ex.register_operator("memopt_offload_wait", meta=_offload_wait_meta, fn=_offload_wait_impl,
                                             tags=_TAGS)
 reload = offload_ex.register_operator("memopt_reload", meta=_reload_meta, fn=_reload_impl, tags=_TAGS)

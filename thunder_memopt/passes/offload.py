@@ -118,9 +118,12 @@ def _timeline(bsyms: Sequence[BoundSymbol], rates: DeviceRates) -> tuple[float, 
 
 
 def _first_and_last_reads(bsyms: Sequence[BoundSymbol]) -> tuple[dict[str, int], dict[str, int]]:
+    """The index of each proxy's first and last computing reader among ``bsyms``."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, b in enumerate(bsyms):
+        if is_bookkeeping(b):
+            continue
         for a in b.flat_proxy_args:
             name = getattr(a, "name", None)
             first.setdefault(name, i)
@@ -233,15 +236,20 @@ def apply_offload(forward: TraceCtx, backward: TraceCtx, plan: OffloadPlan) -> t
     with tracectx(forward):  # named in the forward, whose copies below know the names
         host = {n: host_copy_proxy(by_name[n]) for n in plan.offloaded}
     new_saved = [host.get(t.name, t) for t in saved]
-    return (_offloading_forward(forward, plan, by_name, host, [*new_saved, *others]),
-            _reloading_backward(backward, plan, by_name, host, [*new_saved, *received_others]))
+    first_read, _ = _first_and_last_reads(backward.bound_symbols)
+    by_use = sorted(plan.offloaded, key=first_read.__getitem__)
+    return (_offloading_forward(forward, plan, by_name, host, [*new_saved, *others], by_use),
+            _reloading_backward(backward, by_name, host, [*new_saved, *received_others], by_use))
 
 
 def _offloading_forward(forward: TraceCtx, plan: OffloadPlan, by_name: dict[str, TensorProxy],
-                        host: dict[str, TensorProxy], saved: list) -> TraceCtx:
+                        host: dict[str, TensorProxy], saved: list, by_use: list[str]) -> TraceCtx:
     fw = strip_deletions(forward)
+    rank = {n: i for i, n in enumerate(by_use)}
     with tracectx(fw):
-        copies = {n: offload.bind(by_name[n], output=host[n]) for n in plan.offloaded}
+        # The plan's order is the order the copies run in: its first opens the call's group.
+        copies = {n: offload.bind(by_name[n], rank[n], n == plan.offloaded[0], output=host[n])
+                  for n in plan.offloaded}
         releases = {n: offload_wait.bind(host[n], output=None) for n in plan.offloaded}
     computing = [b for b in fw.bound_symbols if not is_bookkeeping(b)]
     produced = {o.name for b in computing for o in tensor_outs(b)}
@@ -265,17 +273,11 @@ def _offloading_forward(forward: TraceCtx, plan: OffloadPlan, by_name: dict[str,
                                  "tensors copied to the host (forward)")
 
 
-def _reloading_backward(backward: TraceCtx, plan: OffloadPlan, by_name: dict[str, TensorProxy],
-                        host: dict[str, TensorProxy], saved: list) -> TraceCtx:
+def _reloading_backward(backward: TraceCtx, by_name: dict[str, TensorProxy], host: dict[str, TensorProxy],
+                        saved: list, by_use: list[str]) -> TraceCtx:
     bw = strip_deletions(backward)
     _update_backward_with_new_saved_for_backward(bw, saved)
-    first_read: dict[str, int] = {}
-    for i, b in enumerate(bw.bound_symbols):
-        if not is_bookkeeping(b):
-            for a in b.flat_proxy_args:
-                if getattr(a, "name", None) in host:
-                    first_read.setdefault(a.name, i)
-    by_use = sorted(plan.offloaded, key=first_read.__getitem__)
+    first_read, _ = _first_and_last_reads(bw.bound_symbols)
     # The first reload right after the unpacking of what the backward receives.
     host_names = {h.name for h in host.values()}
     unpacked = max(i for i, b in enumerate(bw.bound_symbols) for o in b.flat_proxy_outs
@@ -295,5 +297,5 @@ def _reloading_backward(backward: TraceCtx, plan: OffloadPlan, by_name: dict[str
         out.extend(starts.get(i, ()))
         out.extend(waits.get(i, ()))
         out.append(b)
-    return replace_bound_symbols(bw, out, f"thunder_memopt offload: {len(plan.offloaded)} saved tensors "
+    return replace_bound_symbols(bw, out, f"thunder_memopt offload: {len(by_use)} saved tensors "
                                  "reloaded (backward)")
