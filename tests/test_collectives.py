@@ -107,6 +107,14 @@ def test_fsdp2_memopt_is_bit_identical_to_plain_thundercompiler(fsdp2, mode):
     assert r["max_grad_diff_vs_plain"] == 0.0
 
 
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_fsdp2_offload_is_bit_identical_to_memopt(fsdp2, mode):
+    r = fsdp2[mode]
+    assert r["offloaded_tensors"] > 0
+    assert r["offloaded_loss"] == r["loss"]
+    assert r["max_grad_diff_offloaded_vs_memopt"] == 0.0
+
+
 def test_fsdp2_autocast_recomputes_parameter_casts_instead_of_saving_them(fsdp2):
     r = fsdp2["zero3_autocast"]
     assert r["saved_parameter_copies_plain"] > 0  # bf16 casts of fp32 weights, saved by plain Thunder

@@ -1,5 +1,6 @@
 """torchrun worker: FSDP2 (``fully_shard`` per Block) under thunderfx_backend, against eager FSDP2
-and against plain ThunderCompiler (the same run without MemoryOptimization).
+and against plain ThunderCompiler (the same run without MemoryOptimization), and with offload
+against without it.
 
 Runs zero2 and zero3 (``reshard_after_forward`` False/True) with dynamo skipping FSDP hooks, zero3
 with ``skip_fsdp_hooks=False``, where functional collectives reach the backend, and zero3 under
@@ -27,15 +28,23 @@ import thunder_memopt.backend as backend_module
 from thunder.dynamo import ThunderCompiler
 from thunder_memopt.backend import keep_collectives_out_of_thunder
 from _common import finish, max_grad_diff
+import thunder_memopt.passes.offload as offload_pass
+from thunder_memopt import MemoryOptimization
+from thunder_memopt.core.cost import DeviceRates
 from thunder_memopt.core.memory import saved_for_backward, storage_roots
 from thunder_memopt.core.trace import trace_inputs
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 CONFIG = narrow_config("pythia-14m", n_layer=2, n_embd=256, block_size=128)
+# Compute far slower than the copies, so that the narrowed model's copies hide behind it.
+RATES = DeviceRates(to_host=50e9, to_device=50e9, flops=1e9, memory=1e9)
+offload_pass.MIN_BYTES = 1  # the narrowed model's saved tensors are smaller than a real one's
 
 
 def step(reshard: bool, backend: str, autocast: bool = False):
-    """One step under ``backend``: "eager", "thunder" (plain ThunderCompiler) or "memopt"."""
+    """One step under ``backend``: "eager", "thunder" (plain ThunderCompiler), "memopt" or
+    "memopt_offload" (offload="budget" at budget 1.0: what hides behind compute at ``RATES``, with
+    CPU copies standing in for the host)."""
     model = build_model(CONFIG, dtype=torch.float32)
     for block in model.transformer.h:
         fully_shard(block, reshard_after_forward=reshard)
@@ -43,7 +52,14 @@ def step(reshard: bool, backend: str, autocast: bool = False):
     compiler = None
     if backend != "eager":
         torch._dynamo.reset()
-        compiler = ThunderCompiler() if backend == "thunder" else backend_module.thunderfx_backend()
+        if backend == "thunder":
+            compiler = ThunderCompiler()
+        elif backend == "memopt_offload":
+            memopt = MemoryOptimization(offload="budget", offload_rates=RATES)
+            compiler = backend_module.thunderfx_backend(memopt)
+            compiler.memory_optimization = memopt
+        else:
+            compiler = backend_module.thunderfx_backend()
         model = torch.compile(model, backend=compiler)
     x, y = random_batch(CONFIG, batch_size=2, seq_len=64)
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
@@ -127,7 +143,11 @@ def main(path: str) -> None:
         plain_loss, plain_grads, plain = step(reshard, "thunder", autocast)
         counts = count_hidden_collectives()
         loss, grads, memopt = step(reshard, "memopt", autocast)
+        offloaded_loss, offloaded_grads, offloaded = step(reshard, "memopt_offload", autocast)
         results[name] = {
+            "offloaded_loss": offloaded_loss,
+            "max_grad_diff_offloaded_vs_memopt": max_grad_diff(grads, offloaded_grads),
+            "offloaded_tensors": sum(len(plan.offloaded) for plan in offloaded.memory_optimization.offload_plans),
             "ref_loss": ref_loss,
             "plain_loss": plain_loss,
             "loss": loss,
