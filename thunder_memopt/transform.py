@@ -294,19 +294,17 @@ class MemoryOptimization(Transform):
         patched as for a budget's rung (Thunder compiles it after this hook)."""
         if self.offload is offload_module.OffloadMode.OFF:
             return backward
-        rates = self.offload_rates
-        if rates is None:
-            devices = {t.device.device_str() for t in saved_proxies(pair.returned)[0]}
-            cuda = sorted(d for d in devices if d.startswith("cuda"))
-            if not cuda:
-                if not self._offload_on_cpu_warned:
-                    self._offload_on_cpu_warned = True
-                    warnings.warn("thunder_memopt: offload is off on CPU (no pinned host memory to copy to); "
-                                  "pass offload_rates to plan and run it with CPU copies")
-                return backward
-            rates = measure_rates(torch.device(cuda[0]))
+        cuda = sorted({d for t in saved_proxies(pair.returned)[0] if (d := t.device.device_str()).startswith("cuda")})
+        if self.offload_rates is None and not cuda:
+            if not self._offload_on_cpu_warned:
+                self._offload_on_cpu_warned = True
+                warnings.warn("thunder_memopt: offload is off on CPU (no pinned host memory to copy to); "
+                              "pass offload_rates to plan and run it with CPU copies")
+            return backward
 
         def offloaded() -> tuple[offload_module.OffloadPlan, TraceCtx, TraceCtx]:
+            # Measured once, here, inside the guard: it allocates on the device.
+            rates = self.offload_rates or measure_rates(torch.device(cuda[0]))
             plan = offload_module.plan_offload(pair.returned, backward, mode=self.offload,
                                                budget=self.activation_budget, rates=rates)
             return plan, *offload_module.apply_offload(pair.returned, backward, plan)
