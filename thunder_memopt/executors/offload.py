@@ -120,11 +120,7 @@ def _offload_impl(t: torch.Tensor, reload_rank: int, opens_group: bool) -> torch
         return _moved(t, "cpu", None)
     if opens_group:
         _group = next(_groups)
-    side = _side_stream(t.device)
-    side.wait_stream(torch.cuda.current_stream(t.device))
-    host = _moved(t, "cpu", side)
-    copied = torch.cuda.Event()
-    copied.record(side)
+    host, copied = _copy_on_side_stream(t, "cpu", t.device)
     _copying[id(host)] = (copied, t)
     _offloaded[id(host)] = _Offloaded(weakref.ref(host), str(t.device), _group, reload_rank)
     return host
@@ -145,15 +141,19 @@ def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
     return TensorProxy(like=host, device=devices.to_device(device), requires_grad=False)
 
 
-def _start_reload(host: torch.Tensor, device: str) -> tuple[torch.Tensor, torch.cuda.Event]:
-    side = _side_stream(torch.device(device))
-    # The block is allocated on the current stream, and may have been freed by work it has not run
-    # yet: the side stream waits for it. The copy to the host, on the side stream, is ahead already.
-    side.wait_stream(torch.cuda.current_stream(torch.device(device)))
-    t = _moved(host, device, side)
+def _copy_on_side_stream(t: torch.Tensor, to: torch.device | str, gpu: torch.device
+                         ) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """``_moved(t, to)`` on ``gpu``'s side stream, and the event that marks its end. The side stream
+    first waits for the current one: a copy to the host waits for its source to be made, a reload
+    for its block, allocated on the current stream, to be free of the work queued there before.
+    Copies to and from the host run in order on the one side stream, so a reload follows its copy
+    to the host."""
+    side = _side_stream(gpu)
+    side.wait_stream(torch.cuda.current_stream(gpu))
+    moved = _moved(t, to, side)
     copied = torch.cuda.Event()
     copied.record(side)
-    return t, copied
+    return moved, copied
 
 
 def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
@@ -164,7 +164,7 @@ def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
     if prefetched is not None and prefetched[0]() is host:
         _, t, copied = prefetched
     else:
-        t, copied = _start_reload(host, device)
+        t, copied = _copy_on_side_stream(host, device, torch.device(device))
     _reloading[id(t)] = copied
     _prefetch_next(device)
     return t
@@ -181,7 +181,7 @@ def _prefetch_next(device: str) -> None:
     key = None if _prefetched else next_to_prefetch(_offloaded, device)
     if key is not None:
         entry = _offloaded[key]
-        _prefetched[key] = (entry.ref, *_start_reload(entry.ref(), device))
+        _prefetched[key] = (entry.ref, *_copy_on_side_stream(entry.ref(), device, torch.device(device)))
 
 
 def next_to_prefetch(offloaded: Mapping[int, _Offloaded], device: str) -> int | None:
