@@ -28,6 +28,7 @@ its bytes from its reload on.
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ def _candidates(forward: TraceCtx, pair: _Pair, min_bytes: int) -> tuple[list[_C
     _, last_forward_read = _first_and_last_reads(pair.forward)
     first_backward_read, _ = _first_and_last_reads(pair.backward)
     storages = [infos[t.name].storage for t in saved]
+    savers = collections.Counter(storages)
     activation_bytes = sum({s: infos[s].nbytes for t, s in zip(saved, storages)
                             if not is_parameter(inputs.get(s, t))}.values())
     candidates = []
@@ -149,7 +151,7 @@ def _candidates(forward: TraceCtx, pair: _Pair, min_bytes: int) -> tuple[list[_C
         made = producer.get(t.name, -1)
         # A received tensor that needs no gradient (a rope table, a mask) is the caller's to hold.
         held_by_caller = made < 0 and not t.requires_grad
-        if (storage != t.name or storages.count(storage) > 1 or is_parameter(t) or t.name in outputs
+        if (storage != t.name or savers[storage] > 1 or is_parameter(t) or t.name in outputs
                 or held_by_caller or tensor_nbytes(t) < min_bytes or t.name not in first_backward_read):
             continue
         candidates.append(_Candidate(t.name, tensor_nbytes(t), made, max(made, last_forward_read.get(t.name, made)),
@@ -157,25 +159,28 @@ def _candidates(forward: TraceCtx, pair: _Pair, min_bytes: int) -> tuple[list[_C
     return candidates, activation_bytes
 
 
-def _to_host(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> dict[str, int]:
-    """Where the forward waits for each copy: after the first computing symbol, from the last
-    reader on, by whose end the copy has ended (copies run one after another from their producers'
-    ends); after the last symbol if none."""
-    times, end, released = pair.forward_times, 0.0, {}
+def _to_host_ends(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> list[tuple[_Candidate, float]]:
+    """Each copy to the host with the forward seconds at which it ends: the copies run one after
+    another on one stream, each from its producer's end, in the order they were made."""
+    times, end, ends = pair.forward_times, 0.0, []
     for c in sorted(chosen, key=lambda c: c.produced):
         end = max(end, times[c.produced + 1]) + c.nbytes / rates.to_host
-        after = next((i for i in range(max(c.last_read, 0), len(pair.forward)) if times[i + 1] >= end),
-                     len(pair.forward) - 1)
-        released[c.name] = after
-    return released
+        ends.append((c, end))
+    return ends
+
+
+def _to_host(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> dict[str, int]:
+    """Where the forward waits for each copy: after the first computing symbol, from the last
+    reader on, by whose end the copy has ended; after the last symbol if none."""
+    times = pair.forward_times
+    return {c.name: next((i for i in range(max(c.last_read, 0), len(pair.forward)) if times[i + 1] >= end),
+                         len(pair.forward) - 1)
+            for c, end in _to_host_ends(chosen, pair, rates)}
 
 
 def _exposed(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> tuple[bool, float]:
     """(every copy to the host ends within the forward, seconds the backward waits for reloads)."""
-    times, end = pair.forward_times, 0.0
-    for c in sorted(chosen, key=lambda c: c.produced):
-        end = max(end, times[c.produced + 1]) + c.nbytes / rates.to_host
-    hidden = end <= times[-1]
+    hidden = all(end <= pair.forward_times[-1] for _, end in _to_host_ends(chosen, pair, rates))
     times = pair.backward_times
     by_use = sorted(chosen, key=lambda c: c.first_read)
     end = delay = 0.0
@@ -201,11 +206,13 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
             if hidden and delay == 0.0:
                 chosen.append(c)
     if mode is OffloadMode.BUDGET:
+        kept = activation_bytes - sum(c.nbytes for c in chosen)
         for c in largest_first:
-            if activation_bytes - sum(x.nbytes for x in chosen) <= budget * activation_bytes:
+            if kept <= budget * activation_bytes:
                 break
             if c not in chosen:
                 chosen.append(c)
+                kept -= c.nbytes
     chosen.sort(key=lambda c: c.produced)
     hidden, delay = _exposed(chosen, pair, rates)
     released = _to_host(chosen, pair, rates)
