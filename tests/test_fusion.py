@@ -220,10 +220,10 @@ def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_on
     assert all(torch.equal(a, b) for a, b in zip(grads, fused_grads))
 
 
-def _smallest_region_alone():
-    """The smallest region of the norm-MLP step's forward, in a trace of its own (its inputs come
-    from nowhere, so contiguous), run by a compiled function of its own that nothing compiled yet;
-    another such function; and random inputs of the region's."""
+def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first_call():
+    """Bit for bit, for the (contiguous) inputs it was compiled ahead for, and for inputs of another
+    layout, which it compiles at the call. Inductor's FX graph cache is off, so that each
+    compilation generates its code anew."""
     from thunder.core.trace import from_trace
 
     from thunder_memopt.executors import fusion
@@ -233,23 +233,13 @@ def _smallest_region_alone():
     region = min(_regions(forward), key=lambda b: len(b.subsymbols))
     (source,) = region._call_ctx.values()
     inputs = list(region.args)
-    ahead, other = fusion._CompiledRegion(source.fn, inputs), fusion._CompiledRegion(source.fn, inputs)
-    trace = from_trace(forward)
-    trace.bound_symbols = [region.from_bsym(_call_ctx={"f": ahead})]
-    torch.manual_seed(1)
-    args = [torch.randn(a.shape).to(dtypes.to_torch_dtype(a.dtype)) for a in inputs]
-    return trace, ahead, other, args
-
-
-def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first_call():
-    """Bit for bit, for the (contiguous) inputs it was compiled ahead for, and for inputs of another
-    layout, which it compiles at the call. Inductor's FX graph cache is off, so that each
-    compilation generates its code anew."""
-    from thunder_memopt.executors import fusion
-
-    trace, ahead, at_call, args = _smallest_region_alone()
+    ahead, at_call = fusion._CompiledRegion(source.fn, inputs), fusion._CompiledRegion(source.fn, inputs)
     with torch._inductor.config.patch(fx_graph_cache=False):
+        trace = from_trace(forward)  # the region alone: its inputs come from nowhere, so contiguous
+        trace.bound_symbols = [region.from_bsym(_call_ctx={"f": ahead})]
         assert fusion.compile_ahead([trace]) == 1
+        torch.manual_seed(1)
+        args = [torch.randn(a.shape).to(dtypes.to_torch_dtype(a.dtype)) for a in inputs]
         assert all(torch.equal(x, y) for x, y in zip(ahead(*args), at_call(*args)))
         assert (ahead.layouts_ahead, ahead.layouts_at_call) == (1, 0)
         # The same values, each with its last two dimensions stored the other way round.
@@ -257,29 +247,6 @@ def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first
         assert all(a.ndim >= 2 for a in args) and all(a.stride() != b.stride() for a, b in zip(args, strided))
         assert all(torch.equal(x, y) for x, y in zip(ahead(*strided), at_call(*strided)))
         assert (ahead.layouts_ahead, ahead.layouts_at_call) == (1, 1)
-
-
-def test_a_region_compiled_first_in_inductors_workers_is_found_in_its_caches_and_computes_the_same(
-        tmp_path, monkeypatch):
-    """compile_ahead's worker phase, forced on CPU: one of inductor's worker processes compiles the
-    region, into inductor's caches in a new directory, where nothing else can have put it; this
-    process then finds it in both the AOTAutograd and the FX graph cache, compiling nothing itself;
-    and the region computes, bit for bit, what a compilation in this process without caches does."""
-    from torch._dynamo.utils import counters
-
-    from thunder_memopt.executors import fusion
-
-    trace, ahead, in_process, args = _smallest_region_alone()
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    counters["inductor"].clear()
-    counters["aot_autograd"].clear()
-    assert fusion.compile_ahead([trace], workers=True) == 1
-    assert (ahead.layouts_ahead, ahead.layouts_in_workers) == (1, 1)
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1 and counters["aot_autograd"]["autograd_cache_miss"] == 0
-    assert counters["inductor"]["fxgraph_cache_hit"] == 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        assert all(torch.equal(x, y) for x, y in zip(ahead(*args), in_process(*args)))
-    assert in_process.layouts_at_call == 1
 
 
 @pytest.mark.parametrize("memopt", [None, {}], ids=["thunder", "memopt"])

@@ -76,8 +76,7 @@ def main() -> int:
         print(f"step {step}: {time.perf_counter() - start:.2f} s", flush=True)
     stats = fusion.compile_stats()
     print(f"\nfusion: {stats.functions} functions, {stats.compiled} compiled, {stats.compile_seconds:.2f} s; "
-          f"input layouts compiled ahead {stats.layouts_ahead} ({stats.layouts_in_workers} first in inductor's "
-          f"workers), at a first call {stats.layouts_at_call}")
+          f"input layouts compiled ahead {stats.layouts_ahead}, at a first call {stats.layouts_at_call}")
     cache_counters = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cache" in k}
     print(f"inductor caches: {cache_counters}")
     slowest = sorted(fusion._compiled_functions.items(), key=lambda kv: -(kv[1].seconds or 0))[: args.top]

@@ -387,10 +387,8 @@ def run(trial_file: Path) -> int:
 
         stats = compile_stats()
         result["fusion_functions"], result["fusion_compile_s"] = stats.functions, stats.compile_seconds
-        # Input layouts compiled ahead of their first calls (MemoryOptimization), of those first in
-        # inductor's workers, and at first calls.
+        # Input layouts compiled ahead of their first calls (MemoryOptimization) and at them.
         result["fusion_layouts_ahead"], result["fusion_layouts_at_call"] = stats.layouts_ahead, stats.layouts_at_call
-        result["fusion_layouts_in_workers"] = stats.layouts_in_workers
     if rank == 0:
         write_json(out_dir / RESULT_FILE, result)  # kept if the measurement below fails
     if not trial.measurement.search:

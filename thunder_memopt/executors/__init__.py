@@ -21,9 +21,14 @@ import thunder
 from thunder.extend import Executor
 
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy, linear_cross_entropy_ex
-from thunder_memopt.executors.compile_workers import start_compile_workers
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
-from thunder_memopt.executors.fusion import CompileStats, InductorFusionExecutor, compile_stats, reset_compile_stats
+from thunder_memopt.executors.fusion import (
+    CompileStats,
+    InductorFusionExecutor,
+    compile_stats,
+    reset_compile_stats,
+    start_compile_workers,
+)
 
 __all__ = [
     "executors",

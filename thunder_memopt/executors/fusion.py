@@ -46,18 +46,12 @@ from thunder.executors.torchex import ex as pytorch_ex
 from thunder.executors.torchex import no_autocast
 from thunder.executors.utils import Region
 from thunder.extend import ImplInfo
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from thunder_memopt.core.memory import simulated_strides
 from thunder_memopt.core.ops import fusible_name, leaf_names, moves_data
 from thunder_memopt.core.trace import replace_bound_symbols, strip_deletions
-from thunder_memopt.executors.compile_workers import (
-    compile_graph,
-    compile_in_workers,
-    fake_mode,
-    portable_graph,
-    start_compile_workers,
-    workers_available,
-)
 
 __all__ = [
     "EAGER_NUMERICS",
@@ -66,6 +60,7 @@ __all__ = [
     "compile_ahead",
     "compile_stats",
     "reset_compile_stats",
+    "start_compile_workers",
 ]
 
 # Inductor options that bring fused code closest to ATen's one-op-at-a-time rounding.
@@ -83,7 +78,6 @@ class CompileStats:
     functions: int  # distinct compiled functions
     compiled: int  # of those, compiled (ahead, or at a first call)
     layouts_ahead: int  # input layouts compiled ahead (compile_ahead)
-    layouts_in_workers: int  # of those, compiled first in inductor's workers (compile_workers)
     layouts_at_call: int  # input layouts compiled at a first call (not compiled ahead)
     compile_seconds: float  # time of their compilation and of each layout's first run (autotuning)
 
@@ -102,7 +96,7 @@ class _CompiledRegion:
     def __init__(self, fn: Callable, inputs: Sequence[Proxy]) -> None:
         self.fn = fn
         self.seconds: float | None = None
-        self.layouts_ahead = self.layouts_in_workers = self.layouts_at_call = 0
+        self.layouts_ahead = self.layouts_at_call = 0
         self._by_layout: dict[tuple, Callable] = {}
         self._not_run_yet: set[tuple] = set()  # layouts compiled ahead, whose first run is still to time
         # Shapes, dtypes and devices of the inputs, for compile_ahead; None if one is not a tensor
@@ -123,7 +117,7 @@ class _CompiledRegion:
             return compiled(*args)
         start = time.perf_counter()
         if compiled is None:
-            mode = fake_mode()
+            mode = _fake_mode()
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
             self.layouts_at_call += 1
@@ -140,7 +134,7 @@ class _CompiledRegion:
         None if an input is not a tensor."""
         if self._tensor_inputs is None:
             return None
-        with fake_mode():
+        with _fake_mode():
             return tuple(
                 torch.empty_strided(shape, stride, dtype=dtype, device=device)
                 if stride is not None and len(stride) == len(shape) else torch.empty(shape, dtype=dtype, device=device)
@@ -153,22 +147,19 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, t.stride()))
 
 
-def compile_ahead(traces: Sequence[TraceCtx], workers: bool | None = None) -> int:
+def compile_ahead(traces: Sequence[TraceCtx]) -> int:
     """Compiles now the fusion regions of ``traces`` (final traces, about to run) that are not
     compiled yet, for the strides the memory model expects of their inputs
     (``memory.simulated_strides``: a view's follow its base, anything else is contiguous, and a
     backward's inputs are as its forward made them; ``traces`` in that order); returns how many it
     compiled.
 
-    Compiled one at a time at their first calls, each region would be lowered in this process after
-    the one before, and would wait for inductor's workers to compile its Triton kernels. Here the
-    regions are first compiled side by side in inductor's worker processes, which leave their
-    results in inductor's caches (``compile_workers``; ``workers``: True or False forces that phase
-    on or off, None runs it for CUDA regions where the pool and the FX graph cache are there); then
-    each is compiled here, from those caches, while the workers load the Triton kernels of the
-    regions before it, and the kernels are awaited once, at the end. A region whose inputs come with
-    other strides (a transposed attention output, which the model takes as contiguous) is compiled
-    for them at its first call, as without this."""
+    Compiled one at a time at their first calls, each region waits for inductor's workers to compile
+    its Triton kernels, and in a first step that is half of the compilation time. Here each region
+    is lowered while the workers compile the kernels of the regions before it, and the kernels are
+    awaited once, at the end. A region whose inputs come with other strides (a transposed attention
+    output, which the model takes as contiguous) is compiled for them at its first call, as without
+    this."""
     pending = [[(b, fn) for b in trace.bound_symbols
                 if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor)
                 for fn in b._call_ctx.values() if isinstance(fn, _CompiledRegion) and fn.seconds is None]
@@ -182,43 +173,33 @@ def compile_ahead(traces: Sequence[TraceCtx], workers: bool | None = None) -> in
         strides = simulated_strides(trace, received=strides)
         for b, fn in found:
             regions.setdefault(id(fn), (fn, [strides.get(getattr(a, "name", None)) for a in b.args]))
-    examples = [(fn, example) for fn, strides in regions.values() if (example := fn.example(strides)) is not None]
-
-    def traced() -> list[bytes]:  # under no_grad and no autocast, as the regions run
-        return [portable_graph(fn.fn, example) for fn, example in examples]
-
-    start = time.perf_counter()
-    graphs = torch.no_grad()(no_autocast(traced))()
-    if workers is None:
-        workers = any(t.device.type == "cuda" for _, example in examples for t in example) and workers_available()
-    in_workers = (compile_in_workers(list(zip(graphs, (e for _, e in examples))), EAGER_NUMERICS) if workers
-                  else [False] * len(examples))
-    shared = time.perf_counter() - start  # tracing and the workers' phase, shared by the regions
-    compiled: list[tuple[_CompiledRegion, tuple, Callable, float, bool]] = []
+    compiled: list[tuple[_CompiledRegion, tuple, Callable, float]] = []
     scopes: list[dict] = []
 
-    def compile_each() -> None:
-        for (fn, example), graph, in_worker in zip(examples, graphs, in_workers):
+    def lower_each() -> None:  # under no_grad and no autocast, as the regions run
+        for fn, strides in regions.values():
+            example = fn.example(strides)
+            if example is None:
+                continue
             start = time.perf_counter()
-            compiled.append((fn, tuple(map(_strides, example)), compile_graph(graph, example, EAGER_NUMERICS),
-                             time.perf_counter() - start, in_worker))
+            compiled.append((fn, tuple(map(_strides, example)), _inductor_compiled(fn.fn, example),
+                             time.perf_counter() - start))
 
     try:
         with _kernel_waits_deferred(scopes):
-            torch.no_grad()(no_autocast(compile_each))()
+            torch.no_grad()(no_autocast(lower_each))()
     finally:
         # Even after a failure: a module loaded meanwhile is cached by its source, and a later
         # compilation of the same region must find its kernels in place.
         start = time.perf_counter()
         _await_kernels(scopes)
-    shared += time.perf_counter() - start
+    waited = (time.perf_counter() - start) / max(len(compiled), 1)
     # Only now, the kernels in place, may the regions use what was compiled.
-    for fn, layout, function, seconds, in_worker in compiled:
+    for fn, layout, function, seconds in compiled:
         fn._by_layout[layout] = function
         fn._not_run_yet.add(layout)
         fn.layouts_ahead += 1
-        fn.layouts_in_workers += in_worker
-        fn._add_seconds(seconds + shared / len(compiled))
+        fn._add_seconds(seconds + waited)
     return len(compiled)
 
 
@@ -263,10 +244,21 @@ def _await_kernels(scopes: Sequence[dict]) -> None:
             kernels[id(v)] = scope[k]
 
 
+def _fake_mode() -> FakeTensorMode:
+    """A fake mode as ``make_fx`` makes for itself. Its ShapeEnv (static shapes) lets inductor's FX
+    graph cache serve the regions: without one, every compilation bypasses the cache ('No shape
+    env'), and a second run of the same model compiles everything again."""
+    return FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+
+
 def _inductor_compiled(fn: Callable, fake_args: Sequence) -> Callable:
-    """``fn`` traced and compiled for ``fake_args`` (fake tensors of one ``fake_mode()``, and
+    """``fn`` traced and compiled for ``fake_args`` (fake tensors of one ``_fake_mode()``, and
     non-tensor values, which the compiled function takes as constants)."""
-    return compile_graph(portable_graph(fn, fake_args), fake_args, EAGER_NUMERICS)
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(fn, tracing_mode="fake")(*fake_args)
+    return compile_fx(graph, list(fake_args), config_patches=EAGER_NUMERICS)
 
 
 # Compiled functions by their region's canonical ops and their inputs' metadata, so that every layer's
@@ -279,13 +271,28 @@ def compile_stats() -> CompileStats:
     functions = list(_compiled_functions.values())
     done = [f.seconds for f in functions if f.seconds is not None]
     return CompileStats(len(functions), len(done), sum(f.layouts_ahead for f in functions),
-                        sum(f.layouts_in_workers for f in functions), sum(f.layouts_at_call for f in functions),
-                        sum(done))
+                        sum(f.layouts_at_call for f in functions), sum(done))
 
 
 def reset_compile_stats() -> None:
     """Forget every compiled region (the next use compiles again)."""
     _compiled_functions.clear()
+
+
+@functools.cache
+def start_compile_workers() -> None:
+    """Start inductor's pool of Triton compile workers in the background, once per process.
+
+    torch.compile's inductor backend starts it when dynamo first calls it (``maybe_warm_pool``);
+    ThunderCompiler and ``thunder.jit`` never do. Without this, the pool starts only at the first
+    region's compilation, and until its workers have imported torch (seconds), inductor compiles
+    each kernel in this process, one after another. Nothing starts where there is no GPU: inductor
+    uses the pool only for Triton."""
+    if not torch.cuda.is_available():
+        return
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
 
 
 class InductorFusionExecutor(TorchCompileExecutor):
