@@ -46,13 +46,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
 from thunder_memopt.core.cost import DeviceRates, measure_rates
 from thunder_memopt.core.memory import backward_storages
-from thunder_memopt.core.trace import replay_in_backward, saved_proxies, strip_deletions, tensor_args, tensor_outs
+from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
 from thunder_memopt.passes import collectives, loss_head, recompute, schedule
@@ -72,7 +71,7 @@ class _Recompute:
 
     original: TraceCtx  # the forward as Thunder handed it, its fusion regions taken apart
     plans: list[recompute.RecomputePlan]  # the default first
-    replays: list[BoundSymbol]  # what the backward replays for plans[0]: the forward's replay regions
+    fused: recompute.RecomputePlan  # plans[0] as the backward replays it: the forward's replay regions
     fusion: InductorFusionExecutor | None  # the fusion executor in the executor list
 
 
@@ -204,14 +203,14 @@ class MemoryOptimization(Transform):
                 # With fusion, saved views are replayed from their bases so that regions stay whole.
                 ladder = recompute.plan_ladder(flat, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS,
                                                replay_saved_views=fusion is not None)
-                return ladder, recompute.apply_to_forward(flat, ladder[0])
+                return ladder, ladder[0].apply_to_forward(flat)
 
             planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
             if planned is not None:
                 fused = self._guarded("fusion", "this trace as Thunder fused it, without recompute",
                                       lambda: _fuse_forward(planned[1], planned[0][0], fusion))
         out, zero3 = self._after_recompute_forward(trace if fused is None else fused[0])
-        pending = None if fused is None else _Recompute(original=flat, plans=planned[0], replays=fused[1], fusion=fusion)
+        pending = None if fused is None else _Recompute(original=flat, plans=planned[0], fused=fused[1], fusion=fusion)
         self._pairs[key] = _Pair(returned=out, recompute=pending, zero3=zero3)
         return out
 
@@ -223,7 +222,7 @@ class MemoryOptimization(Transform):
         # mismatch is an error rather than a silent fallback.
         fusion = pending.fusion
         flat = trace if fusion is None else fusion.unfuse(trace)
-        k, replays = 0, pending.replays
+        k, plan = 0, pending.fused
         if len(pending.plans) > 1:
             with self._timed("recompute"):
                 k, forward = recompute.choose_by_budget(pending.plans, pending.original, flat, self.activation_budget)
@@ -234,14 +233,12 @@ class MemoryOptimization(Transform):
             # replaces the default rung's.
             self.schedule_results = []
             with self._timed("fusion"):
-                fused, replays = _fuse_forward(forward, pending.plans[k], fusion)
+                fused, plan = _fuse_forward(forward, pending.plans[k], fusion)
             chosen, pair.zero3 = self._after_recompute_forward(fused)
             pair.returned.bound_symbols = chosen.bound_symbols
             pair.returned.scopes = [pair.returned.bound_symbols]
-        plan = pending.plans[k]
         with self._timed("recompute"):
-            backward = replay_in_backward(flat, key=plan.key, saved=plan.saved, replayed=replays,
-                                                    what="recompute")
+            backward = plan.apply_to_backward(flat)
         if fusion is not None:
             with self._timed("fusion"):
                 backward = fusion.refuse(backward)
@@ -368,27 +365,8 @@ def _fusion_executor(executors_list: Sequence) -> InductorFusionExecutor | None:
 
 def _fuse_forward(
     forward: TraceCtx, plan: recompute.RecomputePlan, fusion: InductorFusionExecutor | None
-) -> tuple[TraceCtx, list[BoundSymbol]]:
-    """The forward, fused again with the replayed ops in regions of their own, and what the backward
-    replays: those regions (and the replayed symbols left outside any), in forward order.
-
-    A replay region also returns what the backward reads of it, so that the backward runs the very
-    function the forward ran."""
-    if fusion is None:
-        return forward, list(plan.recompute)
-    replayed = {o.name for b in plan.recompute for o in tensor_outs(b)}
-
-    def is_replayed(b: BoundSymbol) -> bool:
-        return any(o.name in replayed for o in tensor_outs(b))
-
-    def backward_reads(group: list[BoundSymbol]) -> list:
-        # The backward's own reads, and those of replayed ops in other regions.
-        inside = {id(b) for b in group}
-        read = set(plan.key) | {a.name for b in plan.recompute if id(b) not in inside for a in tensor_args(b)}
-        return [o for b in group if is_replayed(b) for o in tensor_outs(b) if o.name in read]
-
-    grouped = fusion.fusion_pass(strip_deletions(forward), apart=is_replayed, keep_outputs=backward_reads)
-    # Taken before the rest is lowered: lowering may drop a replayed view from the forward (a
-    # ``shallow_copy`` becomes its input), which the backward still replays.
-    replays = [b for b in grouped.bound_symbols if tensor_outs(b) and all(o.name in replayed for o in tensor_outs(b))]
-    return fusion.lower_rest(grouped), replays
+) -> tuple[TraceCtx, recompute.RecomputePlan]:
+    """The forward, and the plan as the backward replays it: with the fusion executor, the forward
+    fused again with the replayed ops in regions of their own, which the backward replays
+    (``InductorFusionExecutor.fuse_with_replays``)."""
+    return (forward, plan) if fusion is None else fusion.fuse_with_replays(forward, plan)
