@@ -85,6 +85,15 @@ class _Pair:
     recompute: _Recompute | None = None
     zero3: collectives.Zero3Plan | None = None  # the backward re-gathers what the forward saved sharded
 
+    def replace_forward(self, trace: TraceCtx) -> None:
+        """The forward handed back to Thunder changed in place to ``trace``'s symbols, from the
+        backward's hook (a budget's rung, the offloads). Thunder compiles the forward trace only
+        after that hook returns: it calls every transform on the forward, then on the backward, then
+        builds both callables (tests/test_recompute.py checks that the forward that runs saves what
+        the changed trace says)."""
+        self.returned.bound_symbols = trace.bound_symbols
+        self.returned.scopes = [self.returned.bound_symbols]
+
 
 PASSES = ("loss_head", "recompute", "collectives", "schedule")
 
@@ -227,16 +236,13 @@ class MemoryOptimization(Transform):
             with self._timed("recompute"):
                 k, forward = recompute.choose_by_budget(pending.plans, pending.original, flat, self.activation_budget)
         if k:
-            # Thunder compiles the forward trace only after this hook returns (it calls every
-            # transform on the forward, then the backward, then builds both callables), so the
-            # forward handed back earlier can still take the chosen rung. Its schedule result
-            # replaces the default rung's.
+            # The forward handed back earlier takes the chosen rung; its schedule result replaces
+            # the default rung's.
             self.schedule_results = []
             with self._timed("fusion"):
                 fused, plan = _fuse_forward(forward, pending.plans[k], fusion)
             chosen, pair.zero3 = self._after_recompute_forward(fused)
-            pair.returned.bound_symbols = chosen.bound_symbols
-            pair.returned.scopes = [pair.returned.bound_symbols]
+            pair.replace_forward(chosen)
         with self._timed("recompute"):
             backward = plan.apply_to_backward(flat)
         if fusion is not None:
@@ -288,7 +294,7 @@ class MemoryOptimization(Transform):
 
     def _offload(self, pair: _Pair, backward: TraceCtx) -> TraceCtx:
         """The pair's saved tensors offloaded (passes.offload): its backward returned, its forward
-        patched as for a budget's rung (Thunder compiles it after this hook)."""
+        replaced as for a budget's rung (``_Pair.replace_forward``)."""
         if self.offload is offload_module.OffloadMode.OFF:
             return backward
         cuda = sorted({d for t in saved_proxies(pair.returned)[0] if (d := t.device.device_str()).startswith("cuda")})
@@ -310,8 +316,7 @@ class MemoryOptimization(Transform):
         if done is None:
             return backward
         plan, forward, backward = done
-        pair.returned.bound_symbols = forward.bound_symbols
-        pair.returned.scopes = [pair.returned.bound_symbols]
+        pair.replace_forward(forward)
         self.offload_plans.append(plan)
         return backward
 
