@@ -80,7 +80,7 @@ def test_lower_budget_never_raises_the_estimated_peak_and_keeps_numerics():
     # budget 0.0 takes the rung with the lowest estimated peak, and of those the one saving least
     ladder = recompute.plan_ladder(plain.forward_trace)
     lowest = min(
-        estimate_step(recompute.apply_to_forward(plain.forward_trace, p), recompute.apply_to_backward(plain.backward_trace, p)).peak_bytes
+        estimate_step(p.apply_to_forward(plain.forward_trace), p.apply_to_backward(plain.backward_trace)).peak_bytes
         for p in ladder
     )
     assert peaks[-1] <= lowest
@@ -120,7 +120,7 @@ def test_unknown_and_random_ops_are_saved_never_replayed():
     (plain, _), (optimized, fw) = run([]), run([MemoryOptimization()])
     assert all(torch.equal(a, b) for a, b in zip(plain, optimized))
     plan = recompute.plan_recompute(fw)
-    replayed = {n for b in plan.recompute for n in ops.op_names(b)}
+    replayed = {n for b in plan.replayed for n in ops.op_names(b)}
     assert not replayed & {"cumsum", "uniform", "uniform_philox", "bernoulli", "dropout"}
 
 

@@ -46,13 +46,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
 from thunder_memopt.core.cost import DeviceRates, measure_rates
 from thunder_memopt.core.memory import backward_storages
-from thunder_memopt.core.trace import replay_in_backward, saved_proxies, strip_deletions, tensor_args, tensor_outs
+from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
 from thunder_memopt.passes import collectives, loss_head, recompute, schedule
@@ -72,7 +71,7 @@ class _Recompute:
 
     original: TraceCtx  # the forward as Thunder handed it, its fusion regions taken apart
     plans: list[recompute.RecomputePlan]  # the default first
-    replays: list[BoundSymbol]  # what the backward replays for plans[0]: the forward's replay regions
+    fused: recompute.RecomputePlan  # plans[0] as the backward replays it: the forward's replay regions
     fusion: InductorFusionExecutor | None  # the fusion executor in the executor list
 
 
@@ -85,6 +84,15 @@ class _Pair:
     returned: TraceCtx  # the forward handed back to Thunder
     recompute: _Recompute | None = None
     zero3: collectives.Zero3Plan | None = None  # the backward re-gathers what the forward saved sharded
+
+    def replace_forward(self, trace: TraceCtx) -> None:
+        """The forward handed back to Thunder changed in place to ``trace``'s symbols, from the
+        backward's hook (a budget's rung, the offloads). Thunder compiles the forward trace only
+        after that hook returns: it calls every transform on the forward, then on the backward, then
+        builds both callables (tests/test_recompute.py checks that the forward that runs saves what
+        the changed trace says)."""
+        self.returned.bound_symbols = trace.bound_symbols
+        self.returned.scopes = [self.returned.bound_symbols]
 
 
 PASSES = ("loss_head", "recompute", "collectives", "schedule")
@@ -204,14 +212,14 @@ class MemoryOptimization(Transform):
                 # With fusion, saved views are replayed from their bases so that regions stay whole.
                 ladder = recompute.plan_ladder(flat, steps=0 if self.activation_budget == 1.0 else _LADDER_STEPS,
                                                replay_saved_views=fusion is not None)
-                return ladder, recompute.apply_to_forward(flat, ladder[0])
+                return ladder, ladder[0].apply_to_forward(flat)
 
             planned = self._guarded("recompute", "this trace unchanged", plan_and_apply)
             if planned is not None:
                 fused = self._guarded("fusion", "this trace as Thunder fused it, without recompute",
                                       lambda: _fuse_forward(planned[1], planned[0][0], fusion))
         out, zero3 = self._after_recompute_forward(trace if fused is None else fused[0])
-        pending = None if fused is None else _Recompute(original=flat, plans=planned[0], replays=fused[1], fusion=fusion)
+        pending = None if fused is None else _Recompute(original=flat, plans=planned[0], fused=fused[1], fusion=fusion)
         self._pairs[key] = _Pair(returned=out, recompute=pending, zero3=zero3)
         return out
 
@@ -223,25 +231,20 @@ class MemoryOptimization(Transform):
         # mismatch is an error rather than a silent fallback.
         fusion = pending.fusion
         flat = trace if fusion is None else fusion.unfuse(trace)
-        k, replays = 0, pending.replays
+        k, plan = 0, pending.fused
         if len(pending.plans) > 1:
             with self._timed("recompute"):
                 k, forward = recompute.choose_by_budget(pending.plans, pending.original, flat, self.activation_budget)
         if k:
-            # Thunder compiles the forward trace only after this hook returns (it calls every
-            # transform on the forward, then the backward, then builds both callables), so the
-            # forward handed back earlier can still take the chosen rung. Its schedule result
-            # replaces the default rung's.
+            # The forward handed back earlier takes the chosen rung; its schedule result replaces
+            # the default rung's.
             self.schedule_results = []
             with self._timed("fusion"):
-                fused, replays = _fuse_forward(forward, pending.plans[k], fusion)
+                fused, plan = _fuse_forward(forward, pending.plans[k], fusion)
             chosen, pair.zero3 = self._after_recompute_forward(fused)
-            pair.returned.bound_symbols = chosen.bound_symbols
-            pair.returned.scopes = [pair.returned.bound_symbols]
-        plan = pending.plans[k]
+            pair.replace_forward(chosen)
         with self._timed("recompute"):
-            backward = replay_in_backward(flat, key=plan.key, saved=plan.saved, replayed=replays,
-                                                    what="recompute")
+            backward = plan.apply_to_backward(flat)
         if fusion is not None:
             with self._timed("fusion"):
                 backward = fusion.refuse(backward)
@@ -291,7 +294,7 @@ class MemoryOptimization(Transform):
 
     def _offload(self, pair: _Pair, backward: TraceCtx) -> TraceCtx:
         """The pair's saved tensors offloaded (passes.offload): its backward returned, its forward
-        patched as for a budget's rung (Thunder compiles it after this hook)."""
+        replaced as for a budget's rung (``_Pair.replace_forward``)."""
         if self.offload is offload_module.OffloadMode.OFF:
             return backward
         cuda = sorted({d for t in saved_proxies(pair.returned)[0] if (d := t.device.device_str()).startswith("cuda")})
@@ -313,8 +316,7 @@ class MemoryOptimization(Transform):
         if done is None:
             return backward
         plan, forward, backward = done
-        pair.returned.bound_symbols = forward.bound_symbols
-        pair.returned.scopes = [pair.returned.bound_symbols]
+        pair.replace_forward(forward)
         self.offload_plans.append(plan)
         return backward
 
@@ -368,27 +370,8 @@ def _fusion_executor(executors_list: Sequence) -> InductorFusionExecutor | None:
 
 def _fuse_forward(
     forward: TraceCtx, plan: recompute.RecomputePlan, fusion: InductorFusionExecutor | None
-) -> tuple[TraceCtx, list[BoundSymbol]]:
-    """The forward, fused again with the replayed ops in regions of their own, and what the backward
-    replays: those regions (and the replayed symbols left outside any), in forward order.
-
-    A replay region also returns what the backward reads of it, so that the backward runs the very
-    function the forward ran."""
-    if fusion is None:
-        return forward, list(plan.recompute)
-    replayed = {o.name for b in plan.recompute for o in tensor_outs(b)}
-
-    def is_replayed(b: BoundSymbol) -> bool:
-        return any(o.name in replayed for o in tensor_outs(b))
-
-    def backward_reads(group: list[BoundSymbol]) -> list:
-        # The backward's own reads, and those of replayed ops in other regions.
-        inside = {id(b) for b in group}
-        read = set(plan.key) | {a.name for b in plan.recompute if id(b) not in inside for a in tensor_args(b)}
-        return [o for b in group if is_replayed(b) for o in tensor_outs(b) if o.name in read]
-
-    grouped = fusion.fusion_pass(strip_deletions(forward), apart=is_replayed, keep_outputs=backward_reads)
-    # Taken before the rest is lowered: lowering may drop a replayed view from the forward (a
-    # ``shallow_copy`` becomes its input), which the backward still replays.
-    replays = [b for b in grouped.bound_symbols if tensor_outs(b) and all(o.name in replayed for o in tensor_outs(b))]
-    return fusion.lower_rest(grouped), replays
+) -> tuple[TraceCtx, recompute.RecomputePlan]:
+    """The forward, and the plan as the backward replays it: with the fusion executor, the forward
+    fused again with the replayed ops in regions of their own, which the backward replays
+    (``InductorFusionExecutor.fuse_with_replays``)."""
+    return (forward, plan) if fusion is None else fusion.fuse_with_replays(forward, plan)

@@ -687,17 +687,11 @@ def _lifetimes(
 
 
 @dataclass(frozen=True)
-class SavedTensor:
-    """A tensor the forward returns for backward."""
+class SavedTensor(TensorInfo):
+    """A tensor the forward returns for backward: its ``TensorInfo``, the bytes of its storage, and
+    whether that storage is a parameter's."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    storage: str
     storage_nbytes: int
-    producer: str | None
-    source: str | None
     is_parameter: bool
 
 
@@ -760,19 +754,7 @@ def saved_for_backward(
         root = infos[info.storage]
         base = inputs.get(info.storage)
         param = is_parameter(t, params) or (base is not None and is_parameter(base, params))
-        out.append(
-            SavedTensor(
-                name=t.name,
-                shape=info.shape,
-                dtype=info.dtype,
-                nbytes=info.nbytes,
-                storage=info.storage,
-                storage_nbytes=root.nbytes,
-                producer=info.producer,
-                source=info.source,
-                is_parameter=param,
-            )
-        )
+        out.append(SavedTensor(**vars(info), storage_nbytes=root.nbytes, is_parameter=param))
     return SavedInventory(tuple(out))
 
 

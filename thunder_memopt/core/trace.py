@@ -2,14 +2,17 @@
 tensors, and the rewrites the passes make of whole traces.
 
 Every pass that changes a trace goes through ``replace_bound_symbols``, which re-places Thunder's
-deletions (``del_last_used``) and stamps the rewrite's provenance. ``save_in_forward`` and
-``replay_in_backward`` change what a forward saves for its backward and what the backward replays
-instead: the recompute pass uses them for its plans, the collectives pass for ZeRO-3's shards.
+deletions (``del_last_used``) and stamps the rewrite's provenance. A ``SavedSetChange`` changes
+what a forward saves for its backward (``save_in_forward``) and what the backward replays instead
+(``replay_in_backward``): the recompute pass's plans and the collectives pass's ZeRO-3 plan are
+changes of this one kind.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
@@ -39,6 +42,7 @@ __all__ = [
     "replace_bound_symbols",
     "save_in_forward",
     "replay_in_backward",
+    "SavedSetChange",
 ]
 
 # Bound symbols that allocate nothing and are not computation.
@@ -201,3 +205,27 @@ def _replay_chain(
         chain[id(p)] = p
         stack.extend(a.name for a in p.flat_proxy_args if hasattr(a, "name"))
     return list(chain.values())
+
+
+@dataclass(frozen=True)
+class SavedSetChange:
+    """A change of what a forward saves for its backward: the forward saves ``saved`` in place of
+    ``key`` (what it saved before, which the backward receives), and the backward replays
+    ``replayed`` (forward symbols, in forward order), each just before its first reader, to make
+    again what is no longer saved. A subclass names the change in the rewritten traces' provenance."""
+
+    key: tuple[str, ...]
+    saved: tuple[TensorProxy, ...]
+    replayed: tuple[BoundSymbol, ...]
+
+    forward_what: ClassVar[str]
+    backward_what: ClassVar[str]
+
+    def apply_to_forward(self, forward_trace: TraceCtx, *, deletions: bool = True) -> TraceCtx:
+        """The forward saving ``saved`` (see ``save_in_forward``)."""
+        return save_in_forward(forward_trace, self.saved, what=self.forward_what, deletions=deletions)
+
+    def apply_to_backward(self, backward_trace: TraceCtx, *, deletions: bool = True) -> TraceCtx:
+        """The backward receiving ``saved`` and replaying ``replayed`` (see ``replay_in_backward``)."""
+        return replay_in_backward(backward_trace, key=self.key, saved=self.saved, replayed=self.replayed,
+                                  what=self.backward_what, deletions=deletions)

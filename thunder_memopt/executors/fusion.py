@@ -18,14 +18,16 @@ region is lowered, and every compilation goes through inductor's FX graph cache,
 run of the same model loads what the first compiled.
 
 With MemoryOptimization the recompute pass works on the ops, not on the regions: the transform
-takes the regions apart (``unfuse``), chooses what to save, and fuses again (``refuse``) with the
-replayed ops in regions of their own, whose outputs include what the backward reads. The backward
-then replays those very regions, so replayed values equal the forward's bit for bit.
+takes the regions apart (``unfuse``), chooses what to save, and fuses the forward again with the
+replayed ops in regions of their own, whose outputs include what the backward reads
+(``fuse_with_replays``), and the backward after its replays (``refuse``). The backward then replays
+those very regions, so replayed values equal the forward's bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import threading
@@ -33,6 +35,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from thunder.core import devices, dtypes, prims, utils
@@ -51,7 +54,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from thunder_memopt.core.memory import simulated_strides
 from thunder_memopt.core.ops import fusible_name, leaf_names, moves_data
-from thunder_memopt.core.trace import replace_bound_symbols, strip_deletions
+from thunder_memopt.core.trace import SavedSetChange, replace_bound_symbols, strip_deletions, tensor_args, tensor_outs
 
 __all__ = [
     "EAGER_NUMERICS",
@@ -62,6 +65,8 @@ __all__ = [
     "reset_compile_stats",
     "start_compile_workers",
 ]
+
+_Change = TypeVar("_Change", bound=SavedSetChange)
 
 # Inductor options that bring fused code closest to ATen's one-op-at-a-time rounding.
 EAGER_NUMERICS = {
@@ -389,6 +394,31 @@ class InductorFusionExecutor(TorchCompileExecutor):
         """``fusion_pass`` over a trace that holds unfused claimed symbols (after ``unfuse``), then the
         rest lowered as Thunder's ``transform_for_execution`` does (``lower_rest``)."""
         return self.lower_rest(self.fusion_pass(strip_deletions(trace)))
+
+    def fuse_with_replays(self, forward: TraceCtx, change: _Change) -> tuple[TraceCtx, _Change]:
+        """The forward (regions taken apart, ``change`` applied), fused again with the ops that the
+        backward replays in regions of their own; and the change replaying those regions (and the
+        replayed symbols left outside any), in forward order.
+
+        A replay region also returns what the backward reads of it, so that the backward runs the very
+        function the forward ran."""
+        replayed = {o.name for b in change.replayed for o in tensor_outs(b)}
+
+        def is_replayed(b: BoundSymbol) -> bool:
+            return any(o.name in replayed for o in tensor_outs(b))
+
+        def backward_reads(group: list[BoundSymbol]) -> list:
+            # The backward's own reads, and those of replayed ops in other regions.
+            inside = {id(b) for b in group}
+            read = set(change.key) | {a.name for b in change.replayed if id(b) not in inside for a in tensor_args(b)}
+            return [o for b in group if is_replayed(b) for o in tensor_outs(b) if o.name in read]
+
+        grouped = self.fusion_pass(strip_deletions(forward), apart=is_replayed, keep_outputs=backward_reads)
+        # Taken before the rest is lowered: lowering may drop a replayed view from the forward (a
+        # ``shallow_copy`` becomes its input), which the backward still replays.
+        replays = tuple(b for b in grouped.bound_symbols
+                        if tensor_outs(b) and all(o.name in replayed for o in tensor_outs(b)))
+        return self.lower_rest(grouped), dataclasses.replace(change, replayed=replays)
 
     def lower_rest(self, trace: TraceCtx) -> TraceCtx:
         """The claimed symbols a fusion pass left outside regions, given to the torch executor;

@@ -35,10 +35,9 @@ from thunder.core.utils import ProxyDict
 
 from thunder_memopt.core.memory import estimate_from_lifetimes, storage_lifetimes, storage_roots
 from thunder_memopt.core.trace import (
+    SavedSetChange,
     is_bookkeeping,
     replace_bound_symbols,
-    replay_in_backward,
-    save_in_forward,
     saved_proxies,
     strip_deletions,
     tensor_args,
@@ -55,8 +54,6 @@ __all__ = [
     "schedule_all_gathers",
     "schedule_reduce_scatters",
     "plan_zero3",
-    "apply_zero3_to_forward",
-    "apply_zero3_to_backward",
     "CollectiveBytes",
     "collective_bytes_at_peak",
 ]
@@ -206,13 +203,14 @@ def schedule_reduce_scatters(trace: TraceCtx, in_flight: int) -> TraceCtx:
 
 
 @dataclass(frozen=True)
-class Zero3Plan:
-    """What a ZeRO-3 forward saves instead of unsharded weights, and what its backward re-gathers."""
+class Zero3Plan(SavedSetChange):
+    """What a ZeRO-3 forward saves instead of unsharded weights (``saved``: their shards), and what
+    its backward re-gathers (``replayed``: the all_gather, wait and view ops, in forward order)."""
 
-    key: tuple[str, ...]  # the tensors the backward receives before the plan
-    saved: tuple[TensorProxy, ...]  # the new saved tensors: shards instead of unsharded weights
-    regather: tuple[BoundSymbol, ...]  # all_gather, wait and view ops to replay, in forward order
     unsharded_bytes: int  # bytes of the unsharded storages no longer saved
+
+    forward_what = "ZeRO-3"
+    backward_what = "re-gather (ZeRO-3)"
 
 
 def is_zero3_module() -> bool:
@@ -257,20 +255,8 @@ def plan_zero3(forward_trace: TraceCtx) -> Zero3Plan:
     return Zero3Plan(
         key=tuple(t.name for t in saved),
         saved=tuple(new_saved.values()),
-        regather=tuple(b for b in bsyms if id(b) in replay),
+        replayed=tuple(b for b in bsyms if id(b) in replay),
         unsharded_bytes=sum(removed.values()),
-    )
-
-
-def apply_zero3_to_forward(forward_trace: TraceCtx, plan: Zero3Plan) -> TraceCtx:
-    """The forward saving ``plan.saved``: unsharded weights die after their last forward use."""
-    return save_in_forward(forward_trace, plan.saved, what="ZeRO-3")
-
-
-def apply_zero3_to_backward(backward_trace: TraceCtx, plan: Zero3Plan) -> TraceCtx:
-    """The backward receiving shards and re-gathering each weight just before its first reader."""
-    return replay_in_backward(
-        backward_trace, key=plan.key, saved=plan.saved, replayed=plan.regather, what="re-gather (ZeRO-3)"
     )
 
 
@@ -295,16 +281,18 @@ class CollectivesPass:
     def forward(self, trace: TraceCtx) -> tuple[TraceCtx, Zero3Plan | None]:
         """The forward scheduled, and the ZeRO-3 plan its backward must follow (None: nothing to re-gather)."""
         plan = plan_zero3(trace) if (is_zero3_module() if self.zero3 is None else self.zero3) else None
-        if plan is not None and plan.regather:
-            trace = apply_zero3_to_forward(trace, plan)
+        if plan is not None and plan.replayed:
+            # Unsharded weights die after their last forward use.
+            trace = plan.apply_to_forward(trace)
         trace = schedule_all_gathers(trace, self.prefetch)
         # Only a forward that was fully rewritten hands its plan to the backward.
-        return trace, plan if plan is not None and plan.regather else None
+        return trace, plan if plan is not None and plan.replayed else None
 
     def backward(self, trace: TraceCtx, zero3: Zero3Plan | None) -> TraceCtx:
         """The backward scheduled; with ``zero3``, its forward's plan, re-gathering what it saved sharded."""
         if zero3 is not None:
-            trace = apply_zero3_to_backward(trace, zero3)
+            # Shards received, each weight re-gathered just before its first reader.
+            trace = zero3.apply_to_backward(trace)
         trace = schedule_reduce_scatters(trace, self.prefetch)
         return schedule_all_gathers(trace, self.prefetch)
 

@@ -35,10 +35,9 @@ from thunder_memopt.core.cost import estimate_flops
 from thunder_memopt.core.memory import SymbolFacts, TensorInfo, estimate_step, is_parameter, storage_roots
 from thunder_memopt.core.ops import OpKind, moves_data, op_kind
 from thunder_memopt.core.trace import (
+    SavedSetChange,
     forward_outputs,
     is_bookkeeping,
-    replay_in_backward,
-    save_in_forward,
     saved_proxies,
     strip_deletions,
     tensor_args,
@@ -51,20 +50,19 @@ __all__ = [
     "plan_recompute",
     "plan_ladder",
     "choose_by_budget",
-    "apply_to_forward",
-    "apply_to_backward",
 ]
 
 
 @dataclass(frozen=True)
-class RecomputePlan:
-    """What a forward saves after the pass, and what its backward recomputes."""
+class RecomputePlan(SavedSetChange):
+    """What a forward saves after the pass (``saved``), and what its backward recomputes
+    (``replayed``: forward symbols, in forward order)."""
 
-    key: tuple[str, ...]  # the forward's original saved tensors: the backward's inputs
-    saved: tuple[TensorProxy, ...]  # the new saved tensors
-    recompute: tuple[BoundSymbol, ...]  # forward symbols to replay in backward, in forward order
     saved_bytes_before: int  # storages, parameters excluded
     saved_bytes_after: int
+
+    forward_what = "recompute"
+    backward_what = "recompute"
 
 
 @dataclass(frozen=True)
@@ -285,7 +283,7 @@ def _plan(g: _ForwardGraph, before: int, saved: set[str], replay: set[int], afte
     return RecomputePlan(
         key=tuple(t.name for t in g.needed),
         saved=tuple(g.proxies[n] for n in order),
-        recompute=tuple(g.bsyms[i] for i in sorted(replay)),
+        replayed=tuple(g.bsyms[i] for i in sorted(replay)),
         saved_bytes_before=before,
         saved_bytes_after=after,
     )
@@ -307,12 +305,12 @@ def choose_by_budget(
     # them for every rung; the chosen rung gets them. The rungs' forwards differ only in what they
     # return: one is built, the others take its symbols with another return, and one storage map
     # serves them all.
-    first = apply_to_forward(forward_trace, plans[0], deletions=False)
+    first = plans[0].apply_to_forward(forward_trace, deletions=False)
     forwards = [first, *(_returning_saved(first, plan.saved) for plan in plans[1:])]
     # The rungs are made of the same symbols, so one SymbolFacts reads each of them once.
     facts = SymbolFacts()
     forward_infos = storage_roots(forwards[0], facts=facts)
-    peaks = [estimate_step(forward, apply_to_backward(backward_trace, plan, deletions=False),
+    peaks = [estimate_step(forward, plan.apply_to_backward(backward_trace, deletions=False),
                            forward_infos=forward_infos, facts=facts).peak_bytes for forward, plan in zip(forwards, plans)]
     target = min(peaks) + budget * (peaks[0] - min(peaks))
     meeting = [k for k, peak in enumerate(peaks) if peak <= target]
@@ -320,7 +318,7 @@ def choose_by_budget(
     # least (the ladder's end is per-block checkpointing), since the estimate can tie rungs whose
     # real peaks differ. Otherwise the least recompute that meets the target.
     k = min(meeting, key=lambda k: plans[k].saved_bytes_after) if budget == 0.0 else meeting[0]
-    return k, apply_to_forward(forward_trace, plans[k])
+    return k, plans[k].apply_to_forward(forward_trace)
 
 
 def _returning_saved(forward_trace: TraceCtx, saved: Sequence[TensorProxy]) -> TraceCtx:
@@ -376,16 +374,3 @@ def _prefix_counts(flags: Sequence[bool]) -> list[int]:
         counts.append(c)
         c += f
     return counts
-
-
-def apply_to_forward(forward_trace: TraceCtx, plan: RecomputePlan, *, deletions: bool = True) -> TraceCtx:
-    """The forward trace saving ``plan.saved`` instead of its original set."""
-    return save_in_forward(forward_trace, plan.saved, what="recompute", deletions=deletions)
-
-
-def apply_to_backward(backward_trace: TraceCtx, plan: RecomputePlan, *, deletions: bool = True) -> TraceCtx:
-    """The backward trace receiving ``plan.saved`` and replaying ``plan.recompute`` as needed."""
-    return replay_in_backward(
-        backward_trace, key=plan.key, saved=plan.saved, replayed=plan.recompute, what="recompute",
-        deletions=deletions,
-    )
