@@ -1,7 +1,7 @@
 """The benchmark's row schema: what one trial runs, what it measures, and how a row reads back.
 
 A row of ``--out`` is one flat JSON object: the trial's fields (``Trial.key``), the driver's context
-(where, when, by which command), and the worker's measurements (``PeakMemory``, ``HostMemory``,
+(where, when, by which command), and the worker's measurements (``MemoryPeaks``,
 ``StepTimes``, ``SavedActivations``, the profile). Rows stay flat so that every committed
 ``benchmarks/results/*.jsonl`` keeps reading, and the tables and ``--resume`` read fields added since
 a row was written as the value rows had before (``field_value``). In memory a trial is grouped by
@@ -175,39 +175,32 @@ _GROUP_OF = {field.name: group for group, group_type in _GROUP_TYPES.items() for
 
 
 @dataclasses.dataclass(frozen=True)
-class PeakMemory:
-    """Peak allocated and reserved CUDA memory over the measured steps, rank 0's and the maximum
-    over ranks, in bytes; None on CPU, where there is no allocator peak to report."""
+class MemoryPeaks:
+    """The memory peaks of a trial, in bytes, each rank 0's and the maximum over ranks.
 
-    peak_alloc_rank0: int | None = None
-    peak_reserved_rank0: int | None = None
-    peak_alloc_max: int | None = None
-    peak_reserved_max: int | None = None
-
-
-MEMORY_FIELDS = tuple(field.name for field in dataclasses.fields(PeakMemory))
-
-
-@dataclasses.dataclass(frozen=True)
-class HostMemory:
-    """Host memory of the training processes, in bytes, rank 0's and the maximum over ranks.
-
+    ``peak_alloc_*``, ``peak_reserved_*``: the CUDA allocator's peak allocated and reserved bytes
+    over the measured steps; None on CPU, where there is no allocator peak to report.
     ``host_rss_peak_*``: the peak resident set size of each rank's process over its whole life
     (``getrusage(RUSAGE_SELF).ru_maxrss``, which the kernel cannot reset: the model's build and the
     compilation are in it; inductor's compile workers and torchrun's launcher, other processes, are
     not). ``host_pinned_peak_*``: on CUDA, the peak bytes held by torch's pinned host allocator over
     the measured steps (``torch.cuda.host_memory_stats()``, its cached blocks included), where
-    activation offload would keep its copies; None on CPU. Rows written before these fields read as
-    None: not measured.
+    activation offload keeps its copies; None on CPU. Rows written before the host fields read them
+    as None: not measured.
     """
 
+    peak_alloc_rank0: int | None = None
+    peak_reserved_rank0: int | None = None
+    peak_alloc_max: int | None = None
+    peak_reserved_max: int | None = None
     host_rss_peak_rank0: int | None = None
     host_rss_peak_max: int | None = None
     host_pinned_peak_rank0: int | None = None
     host_pinned_peak_max: int | None = None
 
 
-HOST_MEMORY_FIELDS = tuple(field.name for field in dataclasses.fields(HostMemory))
+HOST_MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(MemoryPeaks) if f.name.startswith("host_"))
+MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(MemoryPeaks) if f.name not in HOST_MEMORY_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from benchmarks.fsdp2 import profiling
 from benchmarks.fsdp2.backends import BACKENDS
-from benchmarks.fsdp2.trial import HostMemory, PeakMemory, SavedActivations, StepTimes, Trial
+from benchmarks.fsdp2.trial import MemoryPeaks, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, build_model, narrow_config, next_token_loss, random_batch,
                                    training_step)
 
@@ -200,25 +200,20 @@ def over_ranks(values: list[int], device: torch.device, op: dist.ReduceOp.RedOpT
     return reduced.tolist()
 
 
-def peak_memory(device: torch.device) -> PeakMemory:
-    """Peak allocated/reserved bytes of this rank (rank 0's row) and their maximum over ranks."""
-    if device.type != "cuda":
-        return PeakMemory()
-    local = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
-    return PeakMemory(*local, *over_ranks(local, device, dist.ReduceOp.MAX))
-
-
-def host_memory(device: torch.device) -> HostMemory:
-    """This process's peak resident set (rank 0's row) and, on CUDA, the pinned host allocator's peak
-    since ``reset_peak_host_memory_stats``; each also as the maximum over ranks."""
+def memory_peaks(device: torch.device) -> MemoryPeaks:
+    """This rank's peaks (rank 0's row) and their maximum over ranks: on CUDA, the allocator's
+    allocated and reserved bytes and the pinned host allocator's, since their reset after warm-up;
+    and this process's peak resident set."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if device.type != "cuda":
         (rss_max,) = over_ranks([rss], device, dist.ReduceOp.MAX)
-        return HostMemory(host_rss_peak_rank0=rss, host_rss_peak_max=rss_max)
+        return MemoryPeaks(host_rss_peak_rank0=rss, host_rss_peak_max=rss_max)
     # The pinned allocator's blocks (cached ones too); the key is absent until it has allocated.
     pinned = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0)
-    rss_max, pinned_max = over_ranks([rss, pinned], device, dist.ReduceOp.MAX)
-    return HostMemory(rss, rss_max, pinned, pinned_max)
+    alloc, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    alloc_max, reserved_max, rss_max, pinned_max = over_ranks([alloc, reserved, rss, pinned], device,
+                                                              dist.ReduceOp.MAX)
+    return MemoryPeaks(alloc, reserved, alloc_max, reserved_max, rss, rss_max, pinned, pinned_max)
 
 
 def reservable_bytes(device: torch.device) -> int | None:
@@ -274,7 +269,7 @@ class TrainingSession:
         times = StepTimes(step_ms=median_s * 1e3, step_ms_all=[s * 1e3 for s in step_seconds],
                           tokens_per_s_per_gpu=tokens / median_s, first_step_s=first_step_s,
                           compile_s=first_step_s - median_s, loss=loss.item())
-        result = {**dataclasses.asdict(peak_memory(device)), **dataclasses.asdict(host_memory(device)),
+        result = {**dataclasses.asdict(memory_peaks(device)),
                   "reservable_bytes": reservable_bytes(device), **dataclasses.asdict(times)}
         if profiler is not None:
             profiling.print_table(profiler, device)
