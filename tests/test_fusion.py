@@ -11,6 +11,7 @@ from thunder.core.trace import TraceCtx, tracectx
 from thunder.dev_utils.check_trace import check_trace
 from thunder.extend import FusionExecutor
 
+import thunder_memopt.stages as stages_module
 import thunder_memopt.transform as transform_module
 from _train import assert_same_numerics, shared_train_step, train_step
 from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
@@ -264,7 +265,7 @@ def test_a_failing_refusion_keeps_thunders_fused_trace_with_one_warning(monkeypa
         raise RuntimeError("boom")
 
     fused = shared_train_step(STABLECODE, **FUSED_SHAPE, executors=_cpu_executors())
-    monkeypatch.setattr(transform_module, "_fuse_forward", broken)
+    monkeypatch.setattr(stages_module, "fuse_forward", broken)
     with pytest.warns(UserWarning, match="thunder_memopt: fusion left this trace as Thunder fused it") as caught:
         step = train_step(STABLECODE, [MemoryOptimization()], **FUSED_SHAPE, executors=_cpu_executors())
     assert sum("thunder_memopt" in str(w.message) for w in caught) == 1

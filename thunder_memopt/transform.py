@@ -28,15 +28,15 @@ function, after its own optimization and ``del_last_used``. The other passes run
 Once the backward's passes have run, both traces of the pair are final, and their fusion regions
 are compiled together, ahead of their first calls (thunder_memopt.executors.fusion.compile_ahead).
 
-Each of these passes is one or more stages (``_Stage``, recompute's two: ``recompute`` plans,
+Each of these passes is one or more stages (thunder_memopt.stages: ``Stage``, recompute's two: ``recompute`` plans,
 ``fusion`` makes the plan the forward) with one interface: a forward (the forward trace in, the
 forward and a carry for its backward out), a backward (the backward in, the backward out, and the
 forward that replaces the one handed back, if any), and a hook once both traces are final. The
 transform runs the stages in the order of ``PASSES``, times each under its name (``pass_seconds``)
-and guards each (``_guarded``): a stage that raises leaves the trace as it was (``_Stage.fall_back``),
+and guards each (``_guarded``): a stage that raises leaves the trace as it was (``Stage.fall_back``),
 with one warning. The exceptions, where the forward handed back to Thunder already depends on a
-stage, are ``_may_fall_back``'s. When a budget picks another recompute rung, the later stages'
-forwards run again on it, and it replaces the forward handed back (``_Pair.replace_forward``).
+stage, are ``may_fall_back``'s. When a budget picks another recompute rung, the later stages'
+forwards run again on it, and it replaces the forward handed back (``Pair.replace_forward``).
 
 The forward decides what the backward must recompute and re-gather, so what a forward leaves for
 its backward (the stages' carries, the forward handed back) is one record, keyed by the tensors
@@ -47,252 +47,39 @@ instance across all its subgraphs, and the key keeps their forward/backward pair
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TypeVar
 
-import torch
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
-from thunder_memopt.core.cost import DeviceRates, measure_rates
-from thunder_memopt.core.memory import backward_storages
+from thunder_memopt.core.cost import DeviceRates
 from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
-from thunder_memopt.passes import collectives, loss_head, recompute, schedule
+from thunder_memopt.passes import loss_head, schedule
 from thunder_memopt.passes import offload as offload_module
+from thunder_memopt.stages import (
+    CollectivesStage,
+    FusionStage,
+    OffloadStage,
+    Pair,
+    Phase,
+    RecomputeStage,
+    ScheduleStage,
+    Stage,
+    may_fall_back,
+)
 
 __all__ = ["MemoryOptimization", "PASSES"]
 
 _T = TypeVar("_T")
 
-# Rungs between the default plan and the most recompute, for budgets below 1.0.
-_LADDER_STEPS = 8
-
-
-@dataclass
-class _Pair:
-    """A forward/backward pair. ``MemoryOptimization`` keeps one per forward, keyed by the tensors
-    Thunder's forward saves, which are the inputs of the backward Thunder hands over next;
-    ThunderCompiler shares one transform instance across all its subgraphs."""
-
-    fusion: InductorFusionExecutor | None = None  # the fusion executor in the forward's executor list
-    returned: TraceCtx | None = None  # the forward handed back to Thunder (None: a backward without one)
-    carries: dict[str, Any] = field(default_factory=dict)  # what each stage's forward left, by stage name
-
-    def replace_forward(self, trace: TraceCtx) -> None:
-        """The forward handed back to Thunder changed in place to ``trace``'s symbols, from the
-        backward's hook (a budget's rung, the offloads). Thunder compiles the forward trace only
-        after that hook returns: it calls every transform on the forward, then on the backward, then
-        builds both callables (tests/test_recompute.py checks that the forward that runs saves what
-        the changed trace says)."""
-        self.returned.bound_symbols = trace.bound_symbols
-        self.returned.scopes = [self.returned.bound_symbols]
-
-
-class _Stage:
-    """One stage of a pass on the post-optimization traces: a forward, a backward, and a hook on the
-    pair once both traces are final, each taking part for a pair where its ``runs_*`` says so. The
-    defaults leave traces unchanged."""
-
-    name: str  # its key in ``pass_seconds``, in its warnings and in ``_Pair.carries``
-    kept = "this trace unchanged"  # what it leaves when it fails, for the warning
-    on_inference = False  # whether it also runs on inference traces
-
-    def runs_forward(self, pair: _Pair) -> bool:
-        return True
-
-    def forward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, Any]:
-        """The forward, and what its backward needs (the carry; None: nothing)."""
-        return trace, None
-
-    def fall_back(self, trace: TraceCtx, pair: _Pair) -> TraceCtx:
-        """The forward kept when ``forward(trace, pair)`` raised."""
-        return trace
-
-    def runs_backward(self, pair: _Pair) -> bool:
-        return True
-
-    def backward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, TraceCtx | None]:
-        """The backward, and the forward that replaces the one handed back (None: it stays)."""
-        return trace, None
-
-    def runs_on_final(self, pair: _Pair) -> bool:
-        return False
-
-    def on_final(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
-        """Both traces of a pair, once the other stages are done with them."""
-        return forward, backward
-
-
-@dataclass(frozen=True)
-class _Ladder:
-    """A forward's recompute plans, for its backward to pick one by the budget."""
-
-    given: TraceCtx  # the forward as Thunder handed it
-    original: TraceCtx  # the same, its fusion regions taken apart
-    plans: list[recompute.RecomputePlan]  # the default first
-    rung: int = 0  # the plan the forward takes
-
-
-class _Recompute(_Stage):
-    """Plans the recompute ladder on the forward, its regions taken apart, and applies the default
-    rung; in the backward, picks the rung by the budget."""
-
-    name = "recompute"
-
-    def __init__(self, budget: float) -> None:
-        self.budget = budget
-
-    def forward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, _Ladder]:
-        flat = trace if pair.fusion is None else pair.fusion.unfuse(trace)
-        # With fusion, saved views are replayed from their bases so that regions stay whole.
-        ladder = recompute.plan_ladder(flat, steps=0 if self.budget == 1.0 else _LADDER_STEPS,
-                                       replay_saved_views=pair.fusion is not None)
-        return ladder[0].apply_to_forward(flat), _Ladder(given=trace, original=flat, plans=ladder)
-
-    def runs_backward(self, pair: _Pair) -> bool:
-        return self.name in pair.carries
-
-    def backward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, TraceCtx | None]:
-        ladder = pair.carries[self.name]
-        flat = trace if pair.fusion is None else pair.fusion.unfuse(trace)
-        if len(ladder.plans) == 1:
-            return flat, None
-        k, forward = recompute.choose_by_budget(ladder.plans, ladder.original, flat, self.budget)
-        if not k:
-            return flat, None
-        pair.carries[self.name] = dataclasses.replace(ladder, rung=k)
-        return flat, forward
-
-
-class _Fusion(_Stage):
-    """Makes the recompute rung the forward, fused as the fusion executor fuses it with its replays,
-    and replays it in the backward (``_fuse_forward``); the backward fused again."""
-
-    name = "fusion"
-    kept = "this trace as Thunder fused it, without recompute"
-
-    def runs_forward(self, pair: _Pair) -> bool:
-        return _Recompute.name in pair.carries
-
-    def forward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, recompute.RecomputePlan]:
-        ladder = pair.carries[_Recompute.name]
-        return _fuse_forward(trace, ladder.plans[ladder.rung], pair.fusion)
-
-    def fall_back(self, trace: TraceCtx, pair: _Pair) -> TraceCtx:
-        return pair.carries.pop(_Recompute.name).given
-
-    def runs_backward(self, pair: _Pair) -> bool:
-        return self.name in pair.carries
-
-    def backward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, None]:
-        backward = pair.carries[self.name].apply_to_backward(trace)
-        return (backward if pair.fusion is None else pair.fusion.refuse(backward)), None
-
-
-class _Collectives(_Stage):
-    """``collectives.CollectivesPass``; the carry is the ZeRO-3 plan that the backward re-gathers."""
-
-    name = "collectives"
-
-    def __init__(self, prefetch: int, zero3: bool | None) -> None:
-        self._pass = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
-
-    def forward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, collectives.Zero3Plan | None]:
-        return self._pass.forward(trace)
-
-    def backward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, None]:
-        return self._pass.backward(trace, pair.carries.get(self.name)), None
-
-
-class _Schedule(_Stage):
-    """``schedule.schedule_trace`` on each trace; ``results`` holds the latest function's. Reordering
-    keeps a trace's inputs and outputs, so either trace of a pair may fall back."""
-
-    name = "schedule"
-    on_inference = True
-
-    def __init__(self) -> None:
-        self.results: list[schedule.ScheduleResult] = []
-
-    def forward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, None]:
-        # A forward starts the results anew: one instance serves every dynamo subgraph, and a
-        # budget's rung replaces the default rung's forward.
-        self.results = []
-        return self._kept(schedule.schedule_trace(trace)), None
-
-    def backward(self, trace: TraceCtx, pair: _Pair) -> tuple[TraceCtx, None]:
-        # The forward handed back (its symbols replaced if a budget chose another rung) tells which
-        # saved tensors share a storage.
-        known = None if pair.returned is None else backward_storages(pair.returned, trace)
-        return self._kept(schedule.schedule_trace(trace, known)), None
-
-    def _kept(self, result: schedule.ScheduleResult) -> TraceCtx:
-        self.results.append(result)
-        return result.trace
-
-
-class _Offload(_Stage):
-    """``offload.plan_offload`` and ``apply_offload`` on the final pair; ``plans`` holds every plan."""
-
-    name = "offload"
-    kept = "the saved tensors on the device"
-
-    def __init__(self, mode: offload_module.OffloadMode, budget: float, rates: DeviceRates | None) -> None:
-        self.mode, self.budget, self.rates = mode, budget, rates
-        self.plans: list[offload_module.OffloadPlan] = []
-        self._warned_on_cpu = False
-
-    def runs_forward(self, pair: _Pair) -> bool:
-        return False
-
-    def runs_backward(self, pair: _Pair) -> bool:
-        return False
-
-    def runs_on_final(self, pair: _Pair) -> bool:
-        if self.rates is not None or _cuda_devices(pair.returned):
-            return True
-        if not self._warned_on_cpu:
-            self._warned_on_cpu = True
-            warnings.warn("thunder_memopt: offload is off on CPU (no pinned host memory to copy to); "
-                          "pass offload_rates to plan and run it with CPU copies")
-        return False
-
-    def on_final(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
-        # Measured once, here, inside the guard: it allocates on the device.
-        rates = self.rates or measure_rates(torch.device(_cuda_devices(forward)[0]))
-        plan = offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates)
-        forward, backward = offload_module.apply_offload(forward, backward, plan)
-        self.plans.append(plan)
-        return forward, backward
-
-
 PASSES = ("loss_head", "recompute", "collectives", "schedule")
-
-_Phase = Literal["forward", "rerun", "backward", "final"]
-
-
-def _may_fall_back(stage: _Stage, pair: _Pair, phase: _Phase) -> bool:
-    """Whether ``stage`` falls back with one warning when it raises (``_guarded``), or raises: the
-    one place for the exceptions. A forward, and the hook on the final pair, always fall back.
-
-    In the backward's hook the forward is already handed back to Thunder. A stage whose forward
-    left a carry (recompute's plans, fusion's replays, a ZeRO-3 plan) made it save what the carry
-    says, so that stage's backward must follow it or fail: a fallback would leave the pair
-    inconsistent. When a budget picks another rung, the later stages' forwards run again and fall
-    back as a forward's do, but fusion: the backward is already taken apart for that rung, so its
-    forward cannot fall back to Thunder's, without recompute."""
-    if phase == "rerun":
-        return stage.name != _Fusion.name
-    return phase != "backward" or stage.name not in pair.carries
-
 
 class MemoryOptimization(Transform):
     """Lower the activation memory of Thunder training steps.
@@ -353,18 +140,18 @@ class MemoryOptimization(Transform):
         self.passes = tuple(p for p in PASSES if p in passes)
         self.offload = offload_module.OffloadMode(offload)
         self.offload_rates = offload_rates
-        self._schedule = _Schedule()
-        self._offload = _Offload(self.offload, self.activation_budget, offload_rates)
+        self._schedule = ScheduleStage()
+        self._offload = OffloadStage(self.offload, self.activation_budget, offload_rates)
         # The stages of each pass on the post-optimization traces, in the order of PASSES.
         stages_of = {
-            "recompute": (_Recompute(self.activation_budget), _Fusion()),
-            "collectives": (_Collectives(prefetch, zero3),),
+            "recompute": (RecomputeStage(self.activation_budget), FusionStage()),
+            "collectives": (CollectivesStage(prefetch, zero3),),
             "schedule": (self._schedule,),
         }
         self._stages = [s for p in self.passes for s in stages_of.get(p, ())]
         if self.offload is not offload_module.OffloadMode.OFF:
             self._stages.append(self._offload)
-        self._pairs: dict[tuple[str, ...], _Pair] = {}
+        self._pairs: dict[tuple[str, ...], Pair] = {}
         # Seconds spent in each pass over every trace this instance has seen (compile-time cost).
         self.pass_seconds: dict[str, float] = {}
 
@@ -402,21 +189,21 @@ class MemoryOptimization(Transform):
     def _transform(self, trace: TraceCtx, executors_list: Sequence) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in trace.tags:
             key = tuple(t.name for t in saved_proxies(trace)[0])
-            pair = _Pair(fusion=_fusion_executor(executors_list))
+            pair = Pair(fusion=_fusion_executor(executors_list))
             pair.returned = self._forward(trace, pair, self._stages, "forward")
             self._pairs[key] = pair
             return pair.returned
         if TraceTag.BACKWARD in trace.tags:
-            pair = self._pairs.pop(tuple(t.name for t in trace.args[0][0]), None) or _Pair()
+            pair = self._pairs.pop(tuple(t.name for t in trace.args[0][0]), None) or Pair()
             backward = self._backward(trace, pair)
             if pair.returned is not None:
                 backward = self._on_final(pair, backward)
             # Thunder builds both callables after this hook: the pair's regions are final here.
             self._compile_ahead([backward] if pair.returned is None else [pair.returned, backward])
             return backward
-        return self._forward(trace, _Pair(), [s for s in self._stages if s.on_inference], "forward")
+        return self._forward(trace, Pair(), [s for s in self._stages if s.on_inference], "forward")
 
-    def _forward(self, trace: TraceCtx, pair: _Pair, stages: Sequence[_Stage], phase: _Phase) -> TraceCtx:
+    def _forward(self, trace: TraceCtx, pair: Pair, stages: Sequence[Stage], phase: Phase) -> TraceCtx:
         for stage in stages:
             if stage.runs_forward(pair):
                 pair.carries.pop(stage.name, None)  # a re-run's carry replaces the first run's
@@ -429,7 +216,7 @@ class MemoryOptimization(Transform):
                         pair.carries[stage.name] = carry
         return trace
 
-    def _backward(self, trace: TraceCtx, pair: _Pair) -> TraceCtx:
+    def _backward(self, trace: TraceCtx, pair: Pair) -> TraceCtx:
         for i, stage in enumerate(self._stages):
             if stage.runs_backward(pair):
                 done = self._run(stage, pair, "backward", lambda: stage.backward(trace, pair))
@@ -441,7 +228,7 @@ class MemoryOptimization(Transform):
                         pair.replace_forward(self._forward(forward, pair, self._stages[i + 1:], "rerun"))
         return trace
 
-    def _on_final(self, pair: _Pair, backward: TraceCtx) -> TraceCtx:
+    def _on_final(self, pair: Pair, backward: TraceCtx) -> TraceCtx:
         for stage in self._stages:
             if stage.runs_on_final(pair):
                 done = self._run(stage, pair, "final", lambda: stage.on_final(pair.returned, backward))
@@ -450,9 +237,9 @@ class MemoryOptimization(Transform):
                     pair.replace_forward(forward)
         return backward
 
-    def _run(self, stage: _Stage, pair: _Pair, phase: _Phase, run: Callable[[], _T]) -> _T | None:
-        """``run()``, timed as ``stage``; guarded where ``_may_fall_back`` says so."""
-        if _may_fall_back(stage, pair, phase):
+    def _run(self, stage: Stage, pair: Pair, phase: Phase, run: Callable[[], _T]) -> _T | None:
+        """``run()``, timed as ``stage``; guarded where ``may_fall_back`` says so."""
+        if may_fall_back(stage, pair, phase):
             return self._guarded(stage.name, stage.kept, run)
         with self._timed(stage.name):
             return run()
@@ -505,15 +292,3 @@ def _fusion_executor(executors_list: Sequence) -> InductorFusionExecutor | None:
     return next((ex for ex in executors_list if isinstance(ex, InductorFusionExecutor)), None)
 
 
-def _fuse_forward(
-    forward: TraceCtx, plan: recompute.RecomputePlan, fusion: InductorFusionExecutor | None
-) -> tuple[TraceCtx, recompute.RecomputePlan]:
-    """The forward, and the plan as the backward replays it: with the fusion executor, the forward
-    fused again with the replayed ops in regions of their own, which the backward replays
-    (``InductorFusionExecutor.fuse_with_replays``)."""
-    return (forward, plan) if fusion is None else fusion.fuse_with_replays(forward, plan)
-
-
-def _cuda_devices(forward: TraceCtx) -> list[str]:
-    """The CUDA devices of the tensors ``forward`` saves, sorted."""
-    return sorted({d for t in saved_proxies(forward)[0] if (d := t.device.device_str()).startswith("cuda")})

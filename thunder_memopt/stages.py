@@ -1,0 +1,277 @@
+"""The passes as ``MemoryOptimization`` runs them on the traces after Thunder's autodiff: stages of
+one shape, and the record of a forward/backward pair they share.
+
+Each pass is one or more stages (``Stage``; recompute's two: ``recompute`` plans, ``fusion`` makes
+the plan the forward) with one interface: a forward (the forward trace in, the forward and a carry
+for its backward out), a backward (the backward in, the backward out, and the forward that replaces
+the one handed back, if any), and a hook once both traces are final. A stage adapts its pass module
+(thunder_memopt.passes), which holds no state across traces, to the transform: what a pair's forward
+leaves for its backward is its carry in the pair's record (``Pair.carries``), and what the transform
+reports (schedule results, offload plans) the stage keeps. ``may_fall_back`` says, in one place,
+where a stage that raises may leave the trace as it was and where it must not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from thunder.core.trace import TraceCtx
+
+from thunder_memopt.core.cost import DeviceRates, measure_rates
+from thunder_memopt.core.memory import backward_storages
+from thunder_memopt.core.trace import saved_proxies
+from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.passes import collectives, recompute, schedule
+from thunder_memopt.passes import offload as offload_module
+
+__all__ = [
+    "Pair",
+    "Stage",
+    "RecomputeStage",
+    "FusionStage",
+    "CollectivesStage",
+    "ScheduleStage",
+    "OffloadStage",
+    "Phase",
+    "may_fall_back",
+    "fuse_forward",
+]
+
+# Rungs between the default plan and the most recompute, for budgets below 1.0.
+_LADDER_STEPS = 8
+
+
+@dataclass
+class Pair:
+    """A forward/backward pair. ``MemoryOptimization`` keeps one per forward, keyed by the tensors
+    Thunder's forward saves, which are the inputs of the backward Thunder hands over next;
+    ThunderCompiler shares one transform instance across all its subgraphs."""
+
+    fusion: InductorFusionExecutor | None = None  # the fusion executor in the forward's executor list
+    returned: TraceCtx | None = None  # the forward handed back to Thunder (None: a backward without one)
+    carries: dict[str, Any] = field(default_factory=dict)  # what each stage's forward left, by stage name
+
+    def replace_forward(self, trace: TraceCtx) -> None:
+        """The forward handed back to Thunder changed in place to ``trace``'s symbols, from the
+        backward's hook (a budget's rung, the offloads). Thunder compiles the forward trace only
+        after that hook returns: it calls every transform on the forward, then on the backward, then
+        builds both callables (tests/test_recompute.py checks that the forward that runs saves what
+        the changed trace says)."""
+        self.returned.bound_symbols = trace.bound_symbols
+        self.returned.scopes = [self.returned.bound_symbols]
+
+
+class Stage:
+    """One stage of a pass on the post-optimization traces: a forward, a backward, and a hook on the
+    pair once both traces are final, each taking part for a pair where its ``runs_*`` says so. The
+    defaults leave traces unchanged."""
+
+    name: str  # its key in ``pass_seconds``, in its warnings and in ``Pair.carries``
+    kept = "this trace unchanged"  # what it leaves when it fails, for the warning
+    on_inference = False  # whether it also runs on inference traces
+
+    def runs_forward(self, pair: Pair) -> bool:
+        return True
+
+    def forward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, Any]:
+        """The forward, and what its backward needs (the carry; None: nothing)."""
+        return trace, None
+
+    def fall_back(self, trace: TraceCtx, pair: Pair) -> TraceCtx:
+        """The forward kept when ``forward(trace, pair)`` raised."""
+        return trace
+
+    def runs_backward(self, pair: Pair) -> bool:
+        return True
+
+    def backward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx | None]:
+        """The backward, and the forward that replaces the one handed back (None: it stays)."""
+        return trace, None
+
+    def runs_on_final(self, pair: Pair) -> bool:
+        return False
+
+    def on_final(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+        """Both traces of a pair, once the other stages are done with them."""
+        return forward, backward
+
+
+@dataclass(frozen=True)
+class _Ladder:
+    """A forward's recompute plans, for its backward to pick one by the budget."""
+
+    given: TraceCtx  # the forward as Thunder handed it
+    original: TraceCtx  # the same, its fusion regions taken apart
+    plans: list[recompute.RecomputePlan]  # the default first
+    rung: int = 0  # the plan the forward takes
+
+
+class RecomputeStage(Stage):
+    """Plans the recompute ladder on the forward, its regions taken apart, and applies the default
+    rung; in the backward, picks the rung by the budget."""
+
+    name = "recompute"
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+
+    def forward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, _Ladder]:
+        flat = trace if pair.fusion is None else pair.fusion.unfuse(trace)
+        # With fusion, saved views are replayed from their bases so that regions stay whole.
+        ladder = recompute.plan_ladder(flat, steps=0 if self.budget == 1.0 else _LADDER_STEPS,
+                                       replay_saved_views=pair.fusion is not None)
+        return ladder[0].apply_to_forward(flat), _Ladder(given=trace, original=flat, plans=ladder)
+
+    def runs_backward(self, pair: Pair) -> bool:
+        return self.name in pair.carries
+
+    def backward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx | None]:
+        ladder = pair.carries[self.name]
+        flat = trace if pair.fusion is None else pair.fusion.unfuse(trace)
+        if len(ladder.plans) == 1:
+            return flat, None
+        k, forward = recompute.choose_by_budget(ladder.plans, ladder.original, flat, self.budget)
+        if not k:
+            return flat, None
+        pair.carries[self.name] = dataclasses.replace(ladder, rung=k)
+        return flat, forward
+
+
+class FusionStage(Stage):
+    """Makes the recompute rung the forward, fused as the fusion executor fuses it with its replays,
+    and replays it in the backward (``fuse_forward``); the backward fused again."""
+
+    name = "fusion"
+    kept = "this trace as Thunder fused it, without recompute"
+
+    def runs_forward(self, pair: Pair) -> bool:
+        return RecomputeStage.name in pair.carries
+
+    def forward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, recompute.RecomputePlan]:
+        ladder = pair.carries[RecomputeStage.name]
+        return fuse_forward(trace, ladder.plans[ladder.rung], pair.fusion)
+
+    def fall_back(self, trace: TraceCtx, pair: Pair) -> TraceCtx:
+        return pair.carries.pop(RecomputeStage.name).given
+
+    def runs_backward(self, pair: Pair) -> bool:
+        return self.name in pair.carries
+
+    def backward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, None]:
+        backward = pair.carries[self.name].apply_to_backward(trace)
+        return (backward if pair.fusion is None else pair.fusion.refuse(backward)), None
+
+
+class CollectivesStage(Stage):
+    """``collectives.CollectivesPass``; the carry is the ZeRO-3 plan that the backward re-gathers."""
+
+    name = "collectives"
+
+    def __init__(self, prefetch: int, zero3: bool | None) -> None:
+        self._pass = collectives.CollectivesPass(prefetch=prefetch, zero3=zero3)
+
+    def forward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, collectives.Zero3Plan | None]:
+        return self._pass.forward(trace)
+
+    def backward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, None]:
+        return self._pass.backward(trace, pair.carries.get(self.name)), None
+
+
+class ScheduleStage(Stage):
+    """``schedule.schedule_trace`` on each trace; ``results`` holds the latest function's. Reordering
+    keeps a trace's inputs and outputs, so either trace of a pair may fall back."""
+
+    name = "schedule"
+    on_inference = True
+
+    def __init__(self) -> None:
+        self.results: list[schedule.ScheduleResult] = []
+
+    def forward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, None]:
+        # A forward starts the results anew: one instance serves every dynamo subgraph, and a
+        # budget's rung replaces the default rung's forward.
+        self.results = []
+        return self._kept(schedule.schedule_trace(trace)), None
+
+    def backward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, None]:
+        # The forward handed back (its symbols replaced if a budget chose another rung) tells which
+        # saved tensors share a storage.
+        known = None if pair.returned is None else backward_storages(pair.returned, trace)
+        return self._kept(schedule.schedule_trace(trace, known)), None
+
+    def _kept(self, result: schedule.ScheduleResult) -> TraceCtx:
+        self.results.append(result)
+        return result.trace
+
+
+class OffloadStage(Stage):
+    """``offload.plan_offload`` and ``apply_offload`` on the final pair; ``plans`` holds every plan."""
+
+    name = "offload"
+    kept = "the saved tensors on the device"
+
+    def __init__(self, mode: offload_module.OffloadMode, budget: float, rates: DeviceRates | None) -> None:
+        self.mode, self.budget, self.rates = mode, budget, rates
+        self.plans: list[offload_module.OffloadPlan] = []
+        self._warned_on_cpu = False
+
+    def runs_forward(self, pair: Pair) -> bool:
+        return False
+
+    def runs_backward(self, pair: Pair) -> bool:
+        return False
+
+    def runs_on_final(self, pair: Pair) -> bool:
+        if self.rates is not None or _cuda_devices(pair.returned):
+            return True
+        if not self._warned_on_cpu:
+            self._warned_on_cpu = True
+            warnings.warn("thunder_memopt: offload is off on CPU (no pinned host memory to copy to); "
+                          "pass offload_rates to plan and run it with CPU copies")
+        return False
+
+    def on_final(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+        # Measured once, here, inside the guard: it allocates on the device.
+        rates = self.rates or measure_rates(torch.device(_cuda_devices(forward)[0]))
+        plan = offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates)
+        forward, backward = offload_module.apply_offload(forward, backward, plan)
+        self.plans.append(plan)
+        return forward, backward
+
+
+
+Phase = Literal["forward", "rerun", "backward", "final"]
+
+
+def may_fall_back(stage: Stage, pair: Pair, phase: Phase) -> bool:
+    """Whether ``stage`` falls back with one warning when it raises (``_guarded``), or raises: the
+    one place for the exceptions. A forward, and the hook on the final pair, always fall back.
+
+    In the backward's hook the forward is already handed back to Thunder. A stage whose forward
+    left a carry (recompute's plans, fusion's replays, a ZeRO-3 plan) made it save what the carry
+    says, so that stage's backward must follow it or fail: a fallback would leave the pair
+    inconsistent. When a budget picks another rung, the later stages' forwards run again and fall
+    back as a forward's do, but fusion: the backward is already taken apart for that rung, so its
+    forward cannot fall back to Thunder's, without recompute."""
+    if phase == "rerun":
+        return stage.name != FusionStage.name
+    return phase != "backward" or stage.name not in pair.carries
+
+
+
+def fuse_forward(
+    forward: TraceCtx, plan: recompute.RecomputePlan, fusion: InductorFusionExecutor | None
+) -> tuple[TraceCtx, recompute.RecomputePlan]:
+    """The forward, and the plan as the backward replays it: with the fusion executor, the forward
+    fused again with the replayed ops in regions of their own, which the backward replays
+    (``InductorFusionExecutor.fuse_with_replays``)."""
+    return (forward, plan) if fusion is None else fusion.fuse_with_replays(forward, plan)
+
+
+def _cuda_devices(forward: TraceCtx) -> list[str]:
+    """The CUDA devices of the tensors ``forward`` saves, sorted."""
+    return sorted({d for t in saved_proxies(forward)[0] if (d := t.device.device_str()).startswith("cuda")})
