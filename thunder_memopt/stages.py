@@ -248,8 +248,9 @@ Phase = Literal["forward", "rerun", "backward", "final"]
 
 
 def may_fall_back(stage: Stage, pair: Pair, phase: Phase) -> bool:
-    """Whether ``stage`` falls back with one warning when it raises (``_guarded``), or raises: the
-    one place for the exceptions. A forward, and the hook on the final pair, always fall back.
+    """Whether ``stage`` falls back with one warning when it raises (``MemoryOptimization._guarded``),
+    or raises: the one place for the exceptions. A forward, and the hook on the final pair, always
+    fall back.
 
     In the backward's hook the forward is already handed back to Thunder. A stage whose forward
     left a carry (recompute's plans, fusion's replays, a ZeRO-3 plan) made it save what the carry
@@ -260,7 +261,6 @@ def may_fall_back(stage: Stage, pair: Pair, phase: Phase) -> bool:
     if phase == "rerun":
         return stage.name != FusionStage.name
     return phase != "backward" or stage.name not in pair.carries
-
 
 
 def fuse_forward(
