@@ -243,7 +243,6 @@ class OffloadStage(Stage):
         return forward, backward
 
 
-
 Phase = Literal["forward", "rerun", "backward", "final"]
 
 
