@@ -58,6 +58,7 @@ from thunder_memopt.core.trace import SavedSetChange, replace_bound_symbols, str
 
 __all__ = [
     "EAGER_NUMERICS",
+    "NO_AUTOTUNING",
     "CompileStats",
     "InductorFusionExecutor",
     "compile_ahead",
@@ -74,6 +75,15 @@ EAGER_NUMERICS = {
     "eager_numerics.division_rounding": True,
     "eager_numerics.disable_ftz": True,
 }
+# And the options that pick each kernel's launch configuration by inductor's heuristics instead of
+# compiling several and timing them at the first run. A reduction's configuration fixes the order of
+# its sums, so picking it by timing could change the rounding from one run (or machine) to the next;
+# fixed, the fused numerics repeat. It also takes about a fifth off the regions' compilation (one
+# H200: benchmarks/results/compile_time_h200.md).
+NO_AUTOTUNING = {
+    "deterministic": True,
+    "triton.autotune_pointwise": False,
+}
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,7 @@ class CompileStats:
     compiled: int  # of those, compiled (ahead, or at a first call)
     layouts_ahead: int  # input layouts compiled ahead (compile_ahead)
     layouts_at_call: int  # input layouts compiled at a first call (not compiled ahead)
-    compile_seconds: float  # time of their compilation and of each layout's first run (autotuning)
+    compile_seconds: float  # time of their compilation and of each layout's first run (loading its kernels)
 
 
 class _CompiledRegion:
@@ -127,7 +137,7 @@ class _CompiledRegion:
             compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
             self.layouts_at_call += 1
         self._not_run_yet.discard(layout)
-        out = compiled(*args)  # timed too: a first run autotunes its kernels' launch configurations
+        out = compiled(*args)  # timed too: a first run loads its kernels
         self._add_seconds(time.perf_counter() - start)
         return out
 
@@ -258,12 +268,35 @@ def _fake_mode() -> FakeTensorMode:
 
 def _inductor_compiled(fn: Callable, fake_args: Sequence) -> Callable:
     """``fn`` traced and compiled for ``fake_args`` (fake tensors of one ``_fake_mode()``, and
-    non-tensor values, which the compiled function takes as constants)."""
-    from torch._inductor.compile_fx import compile_fx
+    non-tensor values, which the compiled function takes as constants).
+
+    Traced into inductor's ATen IR (``make_fx`` with inductor's decompositions) and handed to
+    inductor's graph compiler (``compile_fx_inner``), as ``compile_fx`` does after AOTAutograd. A
+    region needs nothing of AOTAutograd: no autograd (it runs under no_grad) and no mutation, and
+    its retrace, its cache key and its joint-graph passes were a fifth of a region's compilation.
+    Without those passes every cast of the region also stays: their ``pointless_convert`` drops a
+    round trip through bf16, which ATen rounds."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner, graph_returns_tuple, make_graph_return_tuple
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.utils import output_node
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    graph = make_fx(fn, tracing_mode="fake")(*fake_args)
-    return compile_fx(graph, list(fake_args), config_patches=EAGER_NUMERICS)
+    def compile_graph(graph: torch.fx.GraphModule, inputs: list) -> Callable:
+        # Every output keeps the strides it has eagerly, as compile_fx has inductor keep a model's.
+        out = output_node(graph)
+        out.meta["user_visible_output_idxs"] = [i for i, o in enumerate(out.args[0]) if isinstance(o, torch.fx.Node)]
+        compiled = compile_fx_inner(graph, inputs, is_inference=True)
+        return lambda *args: compiled(list(args))  # it takes a list, which it empties
+
+    fake_mode = next(a.fake_mode for a in fake_args if isinstance(a, torch.Tensor))
+    # The tracing context gives inductor's FX graph cache the fake mode's ShapeEnv, its key's part.
+    with config.patch({**EAGER_NUMERICS, **NO_AUTOTUNING}), tracing(TracingContext(fake_mode)):
+        graph = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fake_args)
+        if graph_returns_tuple(graph):
+            return compile_graph(graph, list(fake_args))
+        return make_graph_return_tuple(graph, list(fake_args), compile_graph)
 
 
 # Compiled functions by their region's canonical ops and their inputs' metadata, so that every layer's
@@ -537,7 +570,7 @@ def _metadata(p: Proxy) -> tuple:
 def _region_trace(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Proxy]) -> TraceCtx:
     """A trace of the region alone, lowered to the torch executor, to compile. Thunder's
     ``torch_compile.make_compiled`` builds the same but compiles it itself, without a way to pass
-    inductor options (EAGER_NUMERICS)."""
+    inductor options (EAGER_NUMERICS, NO_AUTOTUNING)."""
     from thunder.executors.passes import transform_for_execution
 
     trace = TraceCtx(None)
