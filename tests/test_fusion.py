@@ -162,6 +162,41 @@ def _norm_mlp_step(width: int = 96, **jit_options) -> tuple[thunder.ThunderModul
     return jitted, [p.grad for p in model.parameters()]
 
 
+def test_a_region_compiles_straight_to_inductors_graph_compiler_without_autotuning(monkeypatch):
+    """A region's graph goes to ``compile_fx_inner`` under the options that fix every kernel's launch
+    configuration (NO_AUTOTUNING) and round as ATen does (EAGER_NUMERICS), never through
+    ``compile_fx`` and its AOTAutograd; what it compiles computes what the function does."""
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import config
+
+    from thunder_memopt.executors import fusion
+
+    options = []
+    real = compile_fx_module.compile_fx_inner
+
+    def spy(graph, inputs, **kwargs):
+        options.append((config.deterministic, config.triton.autotune_pointwise, config.emulate_precision_casts))
+        return real(graph, inputs, **kwargs)
+
+    def no_aot(*args, **kwargs):
+        raise AssertionError("compile_fx (AOTAutograd) called")
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", spy)
+    monkeypatch.setattr(compile_fx_module, "compile_fx", no_aot)
+
+    def region(x, w):
+        return [(x.float() * w + 1).to(torch.bfloat16), x.reshape(-1)]
+
+    x, w = torch.randn(8, 16).to(torch.bfloat16), torch.randn(16)
+    mode = fusion._fake_mode()
+    with torch.no_grad():
+        compiled = fusion._inductor_compiled(region, [mode.from_tensor(x), mode.from_tensor(w)])
+        out, flat = compiled(x, w)
+    assert options == [(True, False, True)]
+    assert torch.equal(out, region(x, w)[0])
+    assert flat.data_ptr() == x.data_ptr()  # a view of an input stays one
+
+
 def test_memopt_compiles_the_final_traces_regions_ahead_through_inductors_cache():
     """MemoryOptimization compiles the regions of a forward and its backward together, ahead of
     their first calls, for the strides the memory model expects of their inputs, which are the

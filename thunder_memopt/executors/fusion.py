@@ -277,25 +277,21 @@ def _inductor_compiled(fn: Callable, fake_args: Sequence) -> Callable:
     a 2-layer stablecode from 6.85 to 4.72 s on one H200 (benchmarks/results/compile_time_h200.md)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx_inner, graph_returns_tuple, make_graph_return_tuple
+    from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.utils import output_node
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    def compile_graph(graph: torch.fx.GraphModule, inputs: list) -> Callable:
-        # Every output keeps the strides it has eagerly, as compile_fx has inductor keep a model's.
-        out = output_node(graph)
-        out.meta["user_visible_output_idxs"] = [i for i, o in enumerate(out.args[0]) if isinstance(o, torch.fx.Node)]
-        compiled = compile_fx_inner(graph, inputs, is_inference=True)
-        return lambda *args: compiled(list(args))  # it takes a list, which it empties
 
     fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch.Tensor)), None) or _fake_mode()
     # The tracing context gives inductor's FX graph cache the fake mode's ShapeEnv, its key's part.
     with config.patch({**EAGER_NUMERICS, **NO_AUTOTUNING}), tracing(TracingContext(fake_mode)):
         graph = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fake_args)
-        if graph_returns_tuple(graph):
-            return compile_graph(graph, list(fake_args))
-        return make_graph_return_tuple(graph, list(fake_args), compile_graph)
+        # A region returns a list. Every output keeps the strides it has eagerly, as compile_fx has
+        # inductor keep a model's.
+        out = output_node(graph)
+        out.meta["user_visible_output_idxs"] = [i for i, o in enumerate(out.args[0]) if isinstance(o, torch.fx.Node)]
+        compiled = compile_fx_inner(graph, list(fake_args), is_inference=True)
+    return lambda *args: compiled(list(args))  # it takes a list, which it empties
 
 
 # Compiled functions by their region's canonical ops and their inputs' metadata, so that every layer's
