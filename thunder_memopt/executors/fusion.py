@@ -104,9 +104,8 @@ class _CompiledRegion:
     ``torch.compile`` would evaluate dynamo's guards on every call: tens of microseconds a region,
     which a step of a few hundred regions turns into idle GPU time. Here the only check is the
     inputs' strides; shapes and dtypes are fixed by the region's key. A layout not compiled ahead
-    (``compile_ahead``) is compiled at its first call: the function traced with fake tensors
-    (``make_fx``) and the ATen graph compiled (``compile_fx``, the same AOTAutograd and inductor
-    that ``torch.compile`` runs). Both are timed."""
+    (``compile_ahead``) is compiled at its first call (``_inductor_compiled``: traced with fake
+    tensors, compiled by inductor's graph compiler). Both are timed."""
 
     def __init__(self, fn: Callable, inputs: Sequence[Proxy]) -> None:
         self.fn = fn
