@@ -283,6 +283,11 @@ def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first
         assert all(a.ndim >= 2 for a in args) and all(a.stride() != b.stride() for a, b in zip(args, strided))
         assert all(torch.equal(x, y) for x, y in zip(ahead(*strided), at_call(*strided)))
         assert (ahead.layouts_ahead, ahead.layouts_at_call) == (1, 1)
+    # Each one's time splits into lowering, compile_ahead's wait for kernels (none at a call), and
+    # first runs.
+    for fn in (ahead, at_call):
+        assert 0 < fn.lowering_seconds and fn.lowering_seconds + fn.kernel_wait_seconds <= fn.seconds
+    assert at_call.kernel_wait_seconds == 0 < ahead.kernel_wait_seconds
 
 
 @pytest.mark.parametrize("memopt", [None, {}], ids=["thunder", "memopt"])

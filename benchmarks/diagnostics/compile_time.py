@@ -75,7 +75,8 @@ def main() -> int:
         torch.cuda.synchronize()
         print(f"step {step}: {time.perf_counter() - start:.2f} s", flush=True)
     stats = fusion.compile_stats()
-    print(f"\nfusion: {stats.functions} functions, {stats.compiled} compiled, {stats.compile_seconds:.2f} s; "
+    print(f"\nfusion: {stats.functions} functions, {stats.compiled} compiled, {stats.compile_seconds:.2f} s "
+          f"(lowering {stats.lowering_seconds:.2f} s, waiting for kernels {stats.kernel_wait_seconds:.2f} s); "
           f"input layouts compiled ahead {stats.layouts_ahead}, at a first call {stats.layouts_at_call}")
     cache_counters = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if "cache" in k}
     print(f"inductor caches: {cache_counters}")

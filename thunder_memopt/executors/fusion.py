@@ -95,6 +95,10 @@ class CompileStats:
     layouts_ahead: int  # input layouts compiled ahead (compile_ahead)
     layouts_at_call: int  # input layouts compiled at a first call (not compiled ahead)
     compile_seconds: float  # time of their compilation and of each layout's first run (loading its kernels)
+    # Of that: inductor's lowering to code (with the wait for a layout's kernels when compiled at a
+    # call), and compile_ahead's waits for the kernels of the regions it lowered.
+    lowering_seconds: float
+    kernel_wait_seconds: float
 
 
 class _CompiledRegion:
@@ -110,6 +114,7 @@ class _CompiledRegion:
     def __init__(self, fn: Callable, inputs: Sequence[Proxy]) -> None:
         self.fn = fn
         self.seconds: float | None = None
+        self.lowering_seconds = self.kernel_wait_seconds = 0.0
         self.layouts_ahead = self.layouts_at_call = 0
         self._by_layout: dict[tuple, Callable] = {}
         self._not_run_yet: set[tuple] = set()  # layouts compiled ahead, whose first run is still to time
@@ -135,13 +140,17 @@ class _CompiledRegion:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
             self.layouts_at_call += 1
+            self._add_seconds(time.perf_counter() - start, lowering=True)
+            start = time.perf_counter()
         self._not_run_yet.discard(layout)
         out = compiled(*args)  # timed too: a first run loads its kernels
         self._add_seconds(time.perf_counter() - start)
         return out
 
-    def _add_seconds(self, seconds: float) -> None:
+    def _add_seconds(self, seconds: float, *, lowering: bool = False, kernel_wait: bool = False) -> None:
         self.seconds = (self.seconds or 0.0) + seconds
+        self.lowering_seconds += seconds if lowering else 0.0
+        self.kernel_wait_seconds += seconds if kernel_wait else 0.0
 
     def example(self, strides: Sequence[tuple[int, ...] | None]) -> tuple | None:
         """Fake inputs of the region's shapes with ``strides`` (None or another rank: contiguous), or
@@ -213,7 +222,8 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
         fn._by_layout[layout] = function
         fn._not_run_yet.add(layout)
         fn.layouts_ahead += 1
-        fn._add_seconds(seconds + waited)
+        fn._add_seconds(seconds, lowering=True)
+        fn._add_seconds(waited, kernel_wait=True)
     return len(compiled)
 
 
@@ -303,7 +313,8 @@ def compile_stats() -> CompileStats:
     functions = list(_compiled_functions.values())
     done = [f.seconds for f in functions if f.seconds is not None]
     return CompileStats(len(functions), len(done), sum(f.layouts_ahead for f in functions),
-                        sum(f.layouts_at_call for f in functions), sum(done))
+                        sum(f.layouts_at_call for f in functions), sum(done),
+                        sum(f.lowering_seconds for f in functions), sum(f.kernel_wait_seconds for f in functions))
 
 
 def reset_compile_stats() -> None:
