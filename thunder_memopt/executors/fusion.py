@@ -140,17 +140,17 @@ class _CompiledRegion:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
             self.layouts_at_call += 1
-            self._add_seconds(time.perf_counter() - start, lowering=True)
+            self._add_seconds(lowering=time.perf_counter() - start)
             start = time.perf_counter()
         self._not_run_yet.discard(layout)
         out = compiled(*args)  # timed too: a first run loads its kernels
-        self._add_seconds(time.perf_counter() - start)
+        self._add_seconds(first_run=time.perf_counter() - start)
         return out
 
-    def _add_seconds(self, seconds: float, *, lowering: bool = False, kernel_wait: bool = False) -> None:
-        self.seconds = (self.seconds or 0.0) + seconds
-        self.lowering_seconds += seconds if lowering else 0.0
-        self.kernel_wait_seconds += seconds if kernel_wait else 0.0
+    def _add_seconds(self, *, lowering: float = 0.0, kernel_wait: float = 0.0, first_run: float = 0.0) -> None:
+        self.seconds = (self.seconds or 0.0) + lowering + kernel_wait + first_run
+        self.lowering_seconds += lowering
+        self.kernel_wait_seconds += kernel_wait
 
     def example(self, strides: Sequence[tuple[int, ...] | None]) -> tuple | None:
         """Fake inputs of the region's shapes with ``strides`` (None or another rank: contiguous), or
@@ -222,8 +222,7 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
         fn._by_layout[layout] = function
         fn._not_run_yet.add(layout)
         fn.layouts_ahead += 1
-        fn._add_seconds(seconds, lowering=True)
-        fn._add_seconds(waited, kernel_wait=True)
+        fn._add_seconds(lowering=seconds, kernel_wait=waited)
     return len(compiled)
 
 
