@@ -239,6 +239,30 @@ def test_the_memory_model_foresees_the_strides_every_region_meets():
     assert any(s == 0 and n > 1 for name, shape in shapes.items() for s, n in zip(forward[name], shape))  # the mask
 
 
+def test_the_memory_model_gives_cudnn_attentions_outputs_the_layouts_cudnn_allocates():
+    """cuDNN allocates the output like the query and each gradient like its input: dense, in the
+    input's order of dimensions. A value that views the fused qkv projection, (B, T, H, D) in memory,
+    gets its gradient in that order, not contiguous (on one H200 the region that reads it was
+    compiled again at its first call, 1.2 s of the first step)."""
+    import thunder.torch as ltorch
+
+    from thunder_memopt.core.memory import simulated_strides
+    from thunder_memopt.executors.cudnn_attention import cudnn_sdpa_bwd, cudnn_sdpa_fwd
+
+    def attention(qkv, grad):
+        q, k, v = (ltorch.transpose(ltorch.reshape(t, (1, 128, 4, 64)), 1, 2) for t in ltorch.split(qkv, 256, -1))
+        q, k = ltorch.contiguous(q), ltorch.contiguous(k)
+        out, lse, seed, offset = cudnn_sdpa_fwd(q, k, v, True, None)
+        return out, cudnn_sdpa_bwd(grad, q, k, v, out, lse, seed, offset, True, None)
+
+    trace = thunder.trace(inline_trace=False)(attention, torch.empty(1, 128, 768, dtype=torch.bfloat16),
+                                              torch.empty(1, 4, 128, 64, dtype=torch.bfloat16))
+    strides = simulated_strides(trace)
+    out, (dq, dk, dv) = trace.output
+    contiguous, heads_inside_tokens = (4 * 128 * 64, 128 * 64, 64, 1), (4 * 128 * 64, 64, 4 * 64, 1)
+    assert [strides[t.name] for t in (out, dq, dk, dv)] == [contiguous] * 3 + [heads_inside_tokens]
+
+
 def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_one_warning(monkeypatch):
     """Training goes on: the regions (of a width no other test fuses) compile at their first calls,
     and the step computes what the fusion executor alone computes, bit for bit, as it does when

@@ -52,6 +52,8 @@ __all__ = [
     "tensor_nbytes",
     "HOST_MEMORY",
     "WORKSPACE_BYTES",
+    "OUTPUT_STRIDES",
+    "dense_strides_like",
     "storage_roots",
     "storage_nbytes",
     "simulated_strides",
@@ -116,6 +118,17 @@ def contiguous_strides(shape: Sequence[int]) -> Strides:
         strides.append(acc)
         acc *= max(int(size), 1)
     return tuple(reversed(strides))
+
+
+def dense_strides_like(shape: Sequence[int], like: Strides) -> Strides:
+    """Dense strides for ``shape`` whose dimensions are ordered in memory as ``like``'s: largest
+    stride outermost, ties by dimension (ATen's ``alloc_with_matching_layout``)."""
+    order = sorted(range(len(shape)), key=lambda d: -like[d])
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(int(shape[d]), 1)
+    return tuple(strides)
 
 
 def _reshape_strides(old_shape: Sequence[int], old_strides: Strides, new_shape: Sequence[int]) -> Strides | None:
@@ -245,8 +258,8 @@ def _region_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> tuple[
 def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = None) -> dict[str, Strides]:
     """Each tensor's strides as the model simulates them to tell views: a view's follow its base's
     (a reshape's where PyTorch can view, an expand's, a transpose's), a region's outputs are as its
-    decomposition makes them, offload's copies keep their source's, and what any other op allocates
-    is contiguous. What the trace receives is contiguous unless ``received`` gives its strides (a
+    decomposition makes them, offload's copies keep their source's, an op in ``OUTPUT_STRIDES``
+    says, and what any other op allocates is contiguous. What the trace receives is contiguous unless ``received`` gives its strides (a
     backward's saved tensors, its forward's).
     Not what the estimate reads: there, an output of a region is its own storage unless it views an
     argument or another output."""
@@ -269,6 +282,8 @@ def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = 
             made = {o.name: strides.get(base.name, contiguous_strides(o.shape)) for base, o in zip(bases, outs)}
         elif bsym.sym.name in _STRIDED_COPIES:
             made = {outs[0].name: strides[tensor_args(bsym)[0].name]}
+        elif bsym.sym.name in OUTPUT_STRIDES:
+            made = OUTPUT_STRIDES[bsym.sym.name](bsym, strides)
         else:
             made = (view_strides(bsym, strides) if kind is _Kind.VIEW else None) or {}
         for o in outs:
@@ -538,6 +553,12 @@ class MemoryEstimate:
 # Symbol name -> the bytes an op of it holds while it runs, beyond its inputs and outputs. Ops whose
 # kernels allocate what the trace cannot see register here (the fused loss head's chunks).
 WORKSPACE_BYTES: dict[str, Callable[[BoundSymbol], int]] = {}
+
+
+# Symbol name -> the strides of an op's outputs (by name), from the bound symbol and its inputs'
+# strides, for ops whose kernels allocate outputs in another layout than contiguous (cuDNN attention's
+# follow its inputs'). Fusion regions compiled ahead are compiled for these strides.
+OUTPUT_STRIDES: dict[str, Callable[[BoundSymbol, Mapping[str, Strides]], dict[str, Strides]]] = {}
 
 
 def _workspace_bytes(bsym: BoundSymbol) -> int:

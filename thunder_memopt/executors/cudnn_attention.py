@@ -24,6 +24,8 @@ from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
+from thunder_memopt.core.memory import OUTPUT_STRIDES, dense_strides_like
+
 __all__ = ["cudnn_attention_ex", "cudnn_supports"]
 
 cudnn_attention_ex = OperatorExecutor("memopt_cudnn_attention", version=torch.__version__)
@@ -105,6 +107,21 @@ def _grad(query: Proxy, key: Proxy, value: Proxy, attn_mask=None, dropout_p: flo
     put_grads((query, key, value), grads)
     return out
 
+
+def _matching_layouts(bsym, strides) -> dict:
+    """cuDNN allocates the output like the query, and each input's gradient like that input: dense,
+    with the input's order of dimensions in memory (ATen's ``alloc_with_matching_layout``). So the
+    gradient of a value that views the fused qkv projection is (B, T, H, D) in memory, and a region
+    that reads it is compiled ahead for that."""
+    if bsym.sym.name == cudnn_sdpa_fwd.name:
+        like = ((bsym.output[0], bsym.args[0]),)
+    else:
+        like = zip(bsym.output, bsym.args[1:4])
+    return {out.name: dense_strides_like(out.shape, strides[inp.name])
+            for out, inp in like if inp.name in strides}
+
+
+OUTPUT_STRIDES.update({cudnn_sdpa_fwd.name: _matching_layouts, cudnn_sdpa_bwd.name: _matching_layouts})
 
 cudnn_attention_ex.register_implementation(
     ltorch.scaled_dot_product_attention, checker=cudnn_supports, execution_transform=_execution, grad_transform=_grad,
