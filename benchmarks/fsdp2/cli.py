@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     measure.add_argument("--warmup", type=positive_int, default=2, help="steps before the peaks are reset (the first compiles)")
     measure.add_argument("--iters", type=positive_int, default=5, help="measured steps")
     measure.add_argument("--profile", action="store_true", help="torch.profiler summary of the measured steps")
+    measure.add_argument("--first-step-profile", action="store_true",
+                         help="cProfile over the first step (compilation included): its functions by cumulative time, in the row and the log")
     measure.add_argument("--memory-snapshot", metavar="PATH",
                          help="CUDA allocator snapshot of the measured steps (rank 0), one file per row")
     measure.add_argument("--loss-rtol", type=float, default=0.02,
@@ -140,7 +142,8 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
         compilation=Compilation(backend=args.compile[0],
                                 memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
                                 fusion=args.fusion),
-        measurement=Measurement(warmup=args.warmup, iters=args.iters, profile=args.profile),
+        measurement=Measurement(warmup=args.warmup, iters=args.iters, profile=args.profile,
+                                first_step_profile=args.first_step_profile),
     )
 
 

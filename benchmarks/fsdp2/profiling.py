@@ -1,14 +1,18 @@
-"""What ``--profile`` and ``--memory-snapshot`` record of a worker's measured steps.
+"""What ``--profile``, ``--memory-snapshot`` and ``--first-step-profile`` record of a worker's steps.
 
 ``--profile``: torch.profiler over the measured steps, summarized for the row: the top kernels by
 GPU time, the top ops by self CPU time, the time in ATen's copy kernels (the casts and layout copies
 that fusion removes), and how busy the GPU was. ``--memory-snapshot``: the CUDA allocator's history
-of the measured steps, for <https://pytorch.org/memory_viz>.
+of the measured steps, for <https://pytorch.org/memory_viz>. ``--first-step-profile``: Python's
+cProfile over the first step, where compilation happens, to tell dynamo's, Thunder's, the passes'
+and inductor's shares apart (cProfile slows Python code, so the step itself is longer).
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
+import pstats
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -16,6 +20,8 @@ import torch
 from benchmarks.fsdp2.trial import KERNEL_NAME_CHARS
 
 TOP_OPS = 10  # kernels and CPU ops a row keeps
+TOP_FUNCTIONS = 80  # Python functions of the first step a row keeps, by cumulative time
+PRINTED_FUNCTIONS = 250  # and prints to the log
 PRINTED_OPS = 25  # rows of the profiler's table by CPU time printed to the worker's log
 PRINTED_KERNELS = 80  # rows of its table by GPU time
 COPY_KERNEL = "copy_kernel"  # in the names of ATen's copy kernels: direct_copy_kernel_cuda, bfloat16_copy_kernel_cuda
@@ -106,3 +112,30 @@ def recording_memory_history(path: str | None, device: torch.device) -> Iterator
     finally:
         torch.cuda.memory._dump_snapshot(path)
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def first_step_profiler(enabled: bool) -> Iterator[cProfile.Profile | None]:
+    """cProfile over the block when ``enabled`` (this thread only: where dynamo, Thunder and inductor
+    compile), else None."""
+    if not enabled:
+        yield None
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield profiler
+    finally:
+        profiler.disable()
+
+
+def first_step_summary(profiler: cProfile.Profile) -> list[list]:
+    """The functions with the most cumulative time: [``file:line(function)``, cumulative s, own s,
+    calls], the file shortened to its last two path parts; also printed to the worker's log."""
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(PRINTED_FUNCTIONS)
+    rows = []
+    for (path, line, function), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = "/".join(path.split("/")[-2:])
+        rows.append([f"{where}:{line}({function})", cumulative, own, calls])
+    return sorted(rows, key=lambda r: r[1], reverse=True)[:TOP_FUNCTIONS]

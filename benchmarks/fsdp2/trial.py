@@ -84,11 +84,12 @@ class Measurement:
     search: bool = False  # a --find-max-block-size probe: only whether it fits matters
     profile: bool = False
     memory_snapshot: str | None = None  # rank 0's allocator snapshot goes to this path
+    first_step_profile: bool = False  # cProfile over the first step (compilation included)
 
 
 # Fields that record more about a measurement without changing it: not part of a row's key (a row's
-# "profile" and "memory_snapshot" hold what they produced).
-DIAGNOSTICS_FIELDS = ("profile", "memory_snapshot")
+# "profile", "memory_snapshot" and "first_step_profile" hold what they produced).
+DIAGNOSTICS_FIELDS = ("profile", "memory_snapshot", "first_step_profile")
 
 
 @dataclasses.dataclass(frozen=True)

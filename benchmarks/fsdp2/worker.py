@@ -251,7 +251,8 @@ class TrainingSession:
         """Warm-up steps (the first compiles), then the measured steps: their peaks, times and loss."""
         measurement, device = self.trial.measurement, self.device
         step = functools.partial(training_step, self.training.loss, self.optimizer, self.input_ids, self.targets)
-        _, first_step_s = timed(step, device)  # includes compilation
+        with profiling.first_step_profiler(measurement.first_step_profile and self.rank == 0) as first_profiler:
+            _, first_step_s = timed(step, device)  # includes compilation
         for _ in range(measurement.warmup - 1):
             timed(step, device)
         if device.type == "cuda":
@@ -274,6 +275,8 @@ class TrainingSession:
         if profiler is not None:
             profiling.print_table(profiler, device)
             result["profile"] = profiling.profile_summary(profiler, sum(step_seconds))
+        if first_profiler is not None:
+            result["first_step_profile"] = profiling.first_step_summary(first_profiler)
         if snapshot is not None and device.type == "cuda":
             result["memory_snapshot"] = snapshot
         return result
