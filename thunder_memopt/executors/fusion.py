@@ -111,8 +111,8 @@ class _CompiledRegion:
     (``compile_ahead``) is compiled at its first call (``_inductor_compiled``: traced with fake
     tensors, compiled by inductor's graph compiler). Both are timed."""
 
-    def __init__(self, fn: Callable, inputs: Sequence[Proxy]) -> None:
-        self.fn = fn
+    def __init__(self, make_fn: Callable[[], Callable], inputs: Sequence[Proxy]) -> None:
+        self._make_fn = make_fn
         self.seconds: float | None = None
         self.lowering_seconds = self.kernel_wait_seconds = 0.0
         self.layouts_ahead = self.layouts_at_call = 0
@@ -125,6 +125,13 @@ class _CompiledRegion:
         # Grad mode and autocast off while it runs and compiles, as torch_compile_ex runs its regions:
         # both would change what is traced.
         self._run = torch.no_grad()(no_autocast(self._run_compiled))
+
+    @functools.cached_property
+    def fn(self) -> Callable:
+        """The region's function, built at its first compilation: most regions that the fusion passes
+        build are replaced by later passes and never run (40 ms a region on CPU, most of the passes'
+        time on a transformer Block)."""
+        return self._make_fn()
 
     def __call__(self, *args):
         return self._run(*args)
@@ -556,8 +563,8 @@ def _compiled(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Prox
     key = (_canonical(region, inputs, outputs), tuple(_metadata(a) for a in inputs))
     fn = _compiled_functions.get(key)
     if fn is None:
-        source = _region_trace(region, inputs, outputs).python_callable(include_decorators=False)
-        fn = _compiled_functions[key] = _CompiledRegion(source, inputs)
+        fn = _compiled_functions[key] = _CompiledRegion(
+            lambda: _region_trace(region, inputs, outputs).python_callable(include_decorators=False), inputs)
     return fn
 
 
