@@ -116,7 +116,7 @@ def test_a_region_is_compiled_again_for_inputs_of_another_layout(monkeypatch):
 
     with tracectx(TraceCtx()):
         x_proxy = TensorProxy(shape=(8, 16), device=devices.Device("cpu"), dtype=dtypes.bfloat16)
-    region = fusion._CompiledRegion(lambda: scale_and_round, [x_proxy])
+    region = fusion._CompiledRegion(lambda: scale_and_round, [fusion.torch_metadata(x_proxy)])
     rows, columns = torch.randn(8, 16).bfloat16(), torch.randn(16, 8).bfloat16().t()  # both 8 x 16
     for x in (rows, columns, rows.clone(), columns):
         assert torch.equal(region(x)[0], scale_and_round(x)[0])
@@ -293,7 +293,8 @@ def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first
     region = min(_regions(forward), key=lambda b: len(b.subsymbols))
     (source,) = region._call_ctx.values()
     inputs = list(region.args)
-    ahead, at_call = (fusion._CompiledRegion(lambda: source.fn, inputs) for _ in range(2))
+    ahead, at_call = (fusion._CompiledRegion(lambda: source.fn, [fusion.torch_metadata(a) for a in inputs])
+                      for _ in range(2))
     with torch._inductor.config.patch(fx_graph_cache=False):
         trace = from_trace(forward)  # the region alone: its inputs come from nowhere, so contiguous
         trace.bound_symbols = [region.from_bsym(_call_ctx={"f": ahead})]

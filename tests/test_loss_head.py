@@ -61,7 +61,7 @@ def test_function_matches_cross_entropy_of_the_linear(reduction, with_bias, soft
         torch.testing.assert_close(a, b, **FP32_GRAD)
 
 
-def test_the_compiled_one_hot_mask_subtracts_what_the_eager_indexed_update_does(monkeypatch):
+def test_the_compiled_one_hot_mask_subtracts_what_the_eager_indexed_update_does():
     """Compiled, the chunk's gradient takes the one-hot target as a pointwise mask (which inductor
     fuses); eagerly, as an indexed update in place. Run both eagerly: the same bits."""
     from thunder_memopt.executors import chunked_cross_entropy as cce
@@ -72,9 +72,8 @@ def test_the_compiled_one_hot_mask_subtracts_what_the_eager_indexed_update_does(
     hit = torch.rand(40, generator=g) > 0.2
     row_scale = torch.rand(40, generator=g)
     lse, _ = cce._lse_and_target_logit(logits, target, None)
-    indexed = cce._logits_grad(logits, lse, target, hit, row_scale, None)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    masked = cce._logits_grad(logits, lse, target, hit, row_scale, None)
+    (indexed,) = cce._logits_grad(logits, lse, target, hit, row_scale, None)
+    (masked,) = cce._logits_grad(logits, lse, target, hit, row_scale, None, compiled=True)
     assert torch.equal(masked, indexed)
 
 
@@ -153,6 +152,30 @@ def test_jit_fuses_the_head_in_fp32_within_rounding(model_name, budget):
     torch.testing.assert_close(fused.loss, unfused.loss, **FP32)
     for name, grad in unfused.grads.items():
         torch.testing.assert_close(fused.grads[name], grad, **FP32_GRAD, msg=name)
+
+
+# Budget 1.0: 192 tokens in chunks of 128 and 64, and the scaling of the gradients; 0.5: the same
+# two chunks in the forward, and the backward's walk over the vocabulary in slices of 341 and 171.
+@pytest.mark.parametrize("budget,functions", [(1.0, 3), (0.5, 4)])
+def test_compiled_the_heads_chunk_math_is_compiled_ahead_and_computes_within_rounding(monkeypatch, budget,
+                                                                                      functions):
+    """Where the chunk math is compiled (CUDA; here CPU, where inductor's C++ backend serves), each
+    function the head's ops call, for each chunk size, is compiled with the regions before the first
+    step runs, and none at a call; the loss and gradients stay within fp32 rounding of the unfused
+    head's."""
+    from thunder_memopt.executors import chunked_cross_entropy as cce
+    from thunder_memopt.executors.fusion import compile_stats, reset_compile_stats
+
+    monkeypatch.setattr(cce, "COMPILED_DEVICES", {"cpu", "cuda"})
+    unfused = _jit_step(STABLECODE, fused=False, dtype=torch.float32, upcast=True, ignore=True, budget=budget)
+    reset_compile_stats()
+    fused = _jit_step(STABLECODE, fused=True, dtype=torch.float32, upcast=True, ignore=True, budget=budget)
+    stats = compile_stats()
+    assert stats.functions == stats.layouts_ahead == functions and stats.layouts_at_call == 0, stats
+    torch.testing.assert_close(fused.loss, unfused.loss, **FP32)
+    for name, grad in unfused.grads.items():
+        torch.testing.assert_close(fused.grads[name], grad, **FP32_GRAD, msg=name)
+    reset_compile_stats()
 
 
 def test_jit_bf16_head_within_bf16_tolerance_and_fusion_off_is_plain_thunder():

@@ -34,6 +34,7 @@ from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import WORKSPACE_BYTES
+from thunder_memopt.executors.fusion import COMPILED_FUNCTIONS_OF, TensorMetadata, compiled_function, torch_metadata
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "REDUCTIONS"]
 
@@ -78,10 +79,11 @@ def _lse_and_target_logit(logits, target, softcap):
     return lse, picked
 
 
-def _logits_grad(logits, lse, column, hit, row_scale, softcap):
-    """d loss / d logits of one chunk, in the logits' dtype: softmax - one_hot(target), times each
+def _logits_grad(logits, lse, column, hit, row_scale, softcap, compiled=False):
+    """(d loss / d logits,) of one chunk, in the logits' dtype: softmax - one_hot(target), times each
     row's scale (zero for ignored tokens). ``column`` is each row's target column in the chunk, and
-    ``hit`` says whether the target falls in it."""
+    ``hit`` says whether the target falls in it. ``compiled``: traced for inductor. A tuple, as every
+    compiled function returns."""
     z = _upcast(logits, softcap)
     # d(c tanh(x/c))/dx, from the capped logits, before they are overwritten.
     capped = None if softcap is None else z.div(softcap).square_().neg_().add_(1.0)
@@ -89,39 +91,56 @@ def _logits_grad(logits, lse, column, hit, row_scale, softcap):
     # Minus the one-hot target. Eagerly an indexed update in place allocates nothing; compiled, it
     # would make inductor materialize the chunk in fp32, where a mask is pointwise and fuses. Both
     # subtract 1 at the target and nothing elsewhere.
-    if torch.compiler.is_compiling():
+    if compiled:
         g.sub_(((torch.arange(g.shape[1], device=g.device) == column[:, None]) & hit[:, None]).to(torch.uint8))
     else:
         g[torch.arange(g.shape[0], device=g.device), column] -= hit.to(g.dtype)
     g *= row_scale[:, None]
     if capped is not None:
         g *= capped
-    return g.to(logits.dtype)
+    return (g.to(logits.dtype),)
 
 
-def _loss_terms_and_logits_grad_(logits, target, hit, row_scale, softcap):
+def _loss_terms_and_logits_grad_(logits, target, hit, row_scale, softcap, compiled=False):
     """A chunk's loss terms (log-sum-exp, target logit), its logits overwritten by their gradient."""
     lse, picked = _lse_and_target_logit(logits, target, softcap)
-    logits.copy_(_logits_grad(logits, lse, target, hit, row_scale, softcap))
+    logits.copy_(_logits_grad(logits, lse, target, hit, row_scale, softcap, compiled)[0])
     return lse, picked
 
 
-def _scaled(grad, grad_hidden, grad_weight, grad_bias):
+def _scaled(grad, *grads):
     """The unit-upstream gradients computed in the forward, times the upstream gradient."""
-    return tuple(None if g is None else g * grad for g in (grad_hidden, grad_weight, grad_bias))
+    return tuple(g * grad for g in grads)
 
 
 # On CUDA each chunk's math is one inductor kernel that reads the model-dtype logits once, instead
 # of several passes over fp32 copies, and so is the scaling of the gradients (a bf16 tensor times
 # an fp32 scalar tensor takes ATen's slow mixed-dtype path); elsewhere they run eagerly, in place.
-_COMPILED = {
-    f: torch.compile(f, dynamic=False)
-    for f in (_lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad_, _scaled)
-}
+# They are compiled as the fusion executor compiles its regions (no dynamo, no AOTAutograd, no
+# autotuning), and ahead of the first step with the regions (COMPILED_FUNCTIONS_OF below).
+COMPILED_DEVICES = {"cuda"}
+_TAKES_COMPILED = (_logits_grad, _loss_terms_and_logits_grad_)
 
 
-def _on_device(f, tensor):
-    return _COMPILED[f] if tensor.is_cuda else f
+def _compiled(f, tensors: list[TensorMetadata], **constants):
+    """``f`` compiled for tensors of ``tensors``'s metadata (and ``constants``) on a device in
+    COMPILED_DEVICES, else None."""
+    if tensors[0][2].type not in COMPILED_DEVICES:
+        return None
+    if f in _TAKES_COMPILED:
+        constants["compiled"] = True
+    return compiled_function(f, constants, tensors)
+
+
+def _run(f, *tensors, **constants):
+    """``f(*tensors, **constants)``, compiled where COMPILED_DEVICES says, else eagerly."""
+    compiled = _compiled(f, [torch_metadata(t) for t in tensors], **constants)
+    return f(*tensors, **constants) if compiled is None else compiled(*tensors)
+
+
+def _spans(total: int, step: int) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive chunks of ``step`` (the last one shorter) covering ``total``."""
+    return [(start, min(total, start + step)) for start in range(0, total, step)]
 
 
 def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype):
@@ -129,12 +148,11 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, ch
     n = hidden.shape[0]
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
+    for start, stop in _spans(n, chunk):
         logits = torch.nn.functional.linear(hidden[start:stop], weight, bias)
         t = targets[start:stop]
         valid = t != ignore_index
-        lse[start:stop], picked = _on_device(_lse_and_target_logit, logits)(logits, torch.where(valid, t, 0), softcap)
+        lse[start:stop], picked = _run(_lse_and_target_logit, logits, torch.where(valid, t, 0), softcap=softcap)
         del logits
         total += torch.where(valid, lse[start:stop] - picked, 0.0).sum()
     if reduction == "mean":
@@ -158,15 +176,14 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
     row_scale = valid.float() / count if reduction == "mean" else valid.float()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     logits_grad = torch.empty((n, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
+    for start, stop in _spans(n, chunk):
         logits = logits_grad[start:stop]
         if bias is None:
             torch.mm(hidden[start:stop], weight.t(), out=logits)
         else:
             torch.addmm(bias, hidden[start:stop], weight.t(), out=logits)
-        lse, picked = _on_device(_loss_terms_and_logits_grad_, logits)(
-            logits, target[start:stop], valid[start:stop], row_scale[start:stop], softcap)
+        lse, picked = _run(_loss_terms_and_logits_grad_, logits, target[start:stop], valid[start:stop],
+                           row_scale[start:stop], softcap=softcap)
         total += torch.where(valid[start:stop], lse - picked, 0.0).sum()
     if reduction == "mean":
         total = total / count
@@ -196,13 +213,12 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight) if needs_weight_grad else None
         grad_bias = torch.empty_like(bias) if with_bias else None
-        for start in range(0, vocab, width):
-            stop = min(vocab, start + width)
+        for start, stop in _spans(vocab, width):
             w = weight[start:stop]
             logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[start:stop])
             hit = valid & (target >= start) & (target < stop)
             column = (target - start).clamp_(0, stop - start - 1)
-            g = _on_device(_logits_grad, logits)(logits, lse, column, hit, row_scale, softcap)
+            (g,) = _run(_logits_grad, logits, lse, column, hit, row_scale, softcap=softcap)
             del logits
             grad_hidden += (g @ w).float()
             if grad_weight is not None:
@@ -213,12 +229,11 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight_grad else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_bias else None
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
+    for start, stop in _spans(n, chunk):
         h = hidden[start:stop]
         logits = torch.nn.functional.linear(h, weight, bias)
-        g = _on_device(_logits_grad, logits)(logits, lse[start:stop], target[start:stop], valid[start:stop],
-                                             row_scale[start:stop], softcap)
+        (g,) = _run(_logits_grad, logits, lse[start:stop], target[start:stop], valid[start:stop],
+                 row_scale[start:stop], softcap=softcap)
         del logits
         grad_hidden[start:stop] = g @ weight
         if grad_weight is not None:
@@ -367,7 +382,8 @@ def _scale_meta(grad, grad_hidden, grad_weight, grad_bias):
 
 
 def _scale_impl(grad, grad_hidden, grad_weight, grad_bias):
-    return _on_device(_scaled, grad_hidden)(grad, grad_hidden, grad_weight, grad_bias)
+    scaled = iter(_run(_scaled, grad, *(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None)))
+    return tuple(None if g is None else next(scaled) for g in (grad_hidden, grad_weight, grad_bias))
 
 
 # Tagged as a matmul: the recompute pass replays it only below budget 1.0, like the head's linear.
@@ -434,6 +450,46 @@ def _backward_workspace(bsym) -> int:
     logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes
     return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, gradient=True)
             + accumulator * (4 + 4 + hidden.dtype.bytes))
+
+
+def _functions_called(bsym) -> list:
+    """The compiled functions an op of the head will call (``_run``), for compile_ahead: one per
+    function and chunk size, on the shapes its loops give them; all their inputs are contiguous."""
+    name = bsym.sym.name
+    if name == head_scale_gradients.name:
+        calls = [(_scaled, [torch_metadata(a) for a in bsym.args if a is not None])]
+    else:
+        backward = name == head_backward.name
+        hidden, weight, targets = bsym.args[1:3] + bsym.args[4:5] if backward else bsym.args[:2] + bsym.args[3:4]
+        chunk = bsym.args[8] if backward else bsym.args[6]
+        (n, _), vocab = hidden.shape, weight.shape[0]
+        _, dtype, device = torch_metadata(hidden)
+        index = dtypes.to_torch_dtype(targets.dtype)
+
+        def rows(r: int, columns: int = vocab) -> list[TensorMetadata]:  # logits, then per-row tensors
+            return [((r, columns), dtype, device)] + [((r,), t, device) for t in kinds]
+
+        sizes = sorted({stop - start for start, stop in _spans(n, chunk)})
+        if name == head_forward_with_gradients.name:
+            kinds, f = (index, torch.bool, torch.float32), _loss_terms_and_logits_grad_
+            calls = [(f, rows(r)) for r in sizes]
+        elif not backward:
+            kinds, f = (index,), _lse_and_target_logit
+            calls = [(f, rows(r)) for r in sizes]
+        else:
+            kinds = (torch.float32, index, torch.bool, torch.float32)
+            if n < vocab:  # as _backward walks the vocabulary
+                widths = sorted({stop - start for start, stop in _spans(vocab, max(1, chunk * vocab // n))})
+                calls = [(_logits_grad, rows(n, c)) for c in widths]
+            else:
+                calls = [(_logits_grad, rows(r)) for r in sizes]
+    # The ops' implementations pass no soft-capping (the public function's own path is not a Thunder op).
+    constants = {} if name == head_scale_gradients.name else {"softcap": None}
+    return [c for f, tensors in calls if (c := _compiled(f, tensors, **constants)) is not None]
+
+
+COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (
+    head_loss, head_forward, head_forward_with_gradients, head_backward, head_scale_gradients)})
 
 
 WORKSPACE_BYTES.update({

@@ -32,7 +32,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
@@ -59,12 +59,15 @@ from thunder_memopt.core.trace import SavedSetChange, replace_bound_symbols, str
 __all__ = [
     "EAGER_NUMERICS",
     "NO_AUTOTUNING",
+    "COMPILED_FUNCTIONS_OF",
     "CompileStats",
     "InductorFusionExecutor",
     "compile_ahead",
+    "compiled_function",
     "compile_stats",
     "reset_compile_stats",
     "start_compile_workers",
+    "torch_metadata",
 ]
 
 _Change = TypeVar("_Change", bound=SavedSetChange)
@@ -111,7 +114,7 @@ class _CompiledRegion:
     (``compile_ahead``) is compiled at its first call (``_inductor_compiled``: traced with fake
     tensors, compiled by inductor's graph compiler). Both are timed."""
 
-    def __init__(self, make_fn: Callable[[], Callable], inputs: Sequence[Proxy]) -> None:
+    def __init__(self, make_fn: Callable[[], Callable], tensor_inputs: Sequence[TensorMetadata] | None) -> None:
         self._make_fn = make_fn
         self.seconds: float | None = None
         self.lowering_seconds = self.kernel_wait_seconds = 0.0
@@ -120,8 +123,7 @@ class _CompiledRegion:
         self._not_run_yet: set[tuple] = set()  # layouts compiled ahead, whose first run is still to time
         # Shapes, dtypes and devices of the inputs, for compile_ahead; None if one is not a tensor
         # (its value is known only at the call).
-        all_tensors = all(isinstance(p, TensorProxy) for p in inputs)
-        self._tensor_inputs = [_torch_metadata(p) for p in inputs] if all_tensors else None
+        self._tensor_inputs = tensor_inputs
         # Grad mode and autocast off while it runs and compiles, as torch_compile_ex runs its regions:
         # both would change what is traced.
         self._run = torch.no_grad()(no_autocast(self._run_compiled))
@@ -177,6 +179,11 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(stride if size > 1 else 0 for size, stride in zip(t.shape, t.stride()))
 
 
+# Symbol name -> the functions (``compiled_function``) that an op of it will call, all of whose
+# inputs are contiguous: compile_ahead compiles them with the regions (the fused loss head's chunk math).
+COMPILED_FUNCTIONS_OF: dict[str, Callable[[BoundSymbol], Sequence[_CompiledRegion]]] = {}
+
+
 def compile_ahead(traces: Sequence[TraceCtx]) -> int:
     """Compiles now the fusion regions of ``traces`` (final traces, about to run) that are not
     compiled yet, for the strides the memory model expects of their inputs
@@ -194,9 +201,13 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
                 if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor)
                 for fn in b._call_ctx.values() if isinstance(fn, _CompiledRegion) and fn.seconds is None]
                for trace in traces]
-    if not any(pending):
+    # Functions that other executors' ops will call, compiled for contiguous inputs.
+    regions: dict[int, tuple[_CompiledRegion, list]] = {
+        id(fn): (fn, [None] * len(fn._tensor_inputs))
+        for trace in traces for b in trace.bound_symbols if b.sym.name in COMPILED_FUNCTIONS_OF
+        for fn in COMPILED_FUNCTIONS_OF[b.sym.name](b) if fn.seconds is None}
+    if not any(pending) and not regions:
         return 0
-    regions: dict[int, tuple[_CompiledRegion, list]] = {}
     strides: dict[str, tuple[int, ...]] = {}
     for trace, found in zip(traces, pending):
         # A backward receives what its forward saved, with the strides the forward gave it.
@@ -563,13 +574,36 @@ def _compiled(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Prox
     key = (_canonical(region, inputs, outputs), tuple(_metadata(a) for a in inputs))
     fn = _compiled_functions.get(key)
     if fn is None:
+        all_tensors = all(isinstance(p, TensorProxy) for p in inputs)
         fn = _compiled_functions[key] = _CompiledRegion(
-            lambda: _region_trace(region, inputs, outputs).python_callable(include_decorators=False), inputs)
+            lambda: _region_trace(region, inputs, outputs).python_callable(include_decorators=False),
+            [torch_metadata(p) for p in inputs] if all_tensors else None)
     return fn
 
 
-def _torch_metadata(p: TensorProxy) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-    return tuple(p.shape), dtypes.to_torch_dtype(p.dtype), devices.to_torch_device(p.device)
+TensorMetadata = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+def torch_metadata(t: TensorProxy | torch.Tensor) -> TensorMetadata:
+    """Shape, torch dtype and torch device of a tensor or a tensor proxy."""
+    if isinstance(t, torch.Tensor):
+        return tuple(t.shape), t.dtype, t.device
+    return tuple(t.shape), dtypes.to_torch_dtype(t.dtype), devices.to_torch_device(t.device)
+
+
+def compiled_function(fn: Callable, constants: Mapping[str, Hashable],
+                      tensor_inputs: Sequence[TensorMetadata]) -> _CompiledRegion:
+    """``fn(*tensors, **constants)``, as a region compiled by inductor, for tensors of
+    ``tensor_inputs``: one per function, constants and input metadata, shared like the regions'
+    (and counted by ``compile_stats``). ``fn`` may update its tensors in place: it is functionalized
+    before inductor sees it, which writes the updates into the inputs' memory."""
+    key = (fn, tuple(sorted(constants.items())), tuple(tensor_inputs))
+    compiled = _compiled_functions.get(key)
+    if compiled is None:
+        bound = functools.partial(fn, **constants)
+        compiled = _compiled_functions[key] = _CompiledRegion(lambda: torch.func.functionalize(bound),
+                                                              list(tensor_inputs))
+    return compiled
 
 
 def _metadata(p: Proxy) -> tuple:
