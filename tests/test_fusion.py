@@ -263,6 +263,35 @@ def test_the_memory_model_gives_cudnn_attentions_outputs_the_layouts_cudnn_alloc
     assert [strides[t.name] for t in (out, dq, dk, dv)] == [contiguous] * 3 + [heads_inside_tokens]
 
 
+def test_kernels_loaded_while_the_compile_pool_starts_compile_when_awaited_each_source_once(monkeypatch):
+    """compile_ahead's modules, loaded before inductor's compile pool is ready, leave their Triton
+    kernels to the await, where they go to the pool if it is ready by then (here it is), instead of
+    compiling one after another during lowering. (Inductor's Triton compilation is stubbed.)"""
+    from torch._inductor.async_compile import AsyncCompile
+
+    from thunder_memopt.executors import fusion
+
+    pool_ready, compiled = False, []
+
+    def triton(self, kernel_name, source_code, device_str="cuda"):
+        compiled.append((kernel_name, pool_ready))
+        return f"kernel {kernel_name}"
+
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: pool_ready))
+    monkeypatch.setattr(AsyncCompile, "triton", triton)
+    scopes = []
+    with fusion._kernels_deferred(scopes):
+        module = AsyncCompile()
+        scope = {"a": module.triton("a", "source a"), "b": module.triton("b", "source b"),
+                 "a_again": module.triton("a", "source a")}
+        module.wait(scope)
+        assert compiled == [] and scopes == [scope]
+    pool_ready = True
+    fusion._await_kernels(scopes)
+    assert scope == {"a": "kernel a", "b": "kernel b", "a_again": "kernel a"}
+    assert compiled == [("a", True), ("b", True)]
+
+
 def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_one_warning(monkeypatch):
     """Training goes on: the regions (of a width no other test fuses) compile at their first calls,
     and the step computes what the fusion executor alone computes, bit for bit, as it does when

@@ -194,7 +194,9 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
     Compiled one at a time at their first calls, each region waits for inductor's workers to compile
     its Triton kernels, and in a first step that is half of the compilation time. Here each region
     is lowered while the workers compile the kernels of the regions before it, and the kernels are
-    awaited once, at the end. A region whose inputs come with other strides (a transposed attention
+    awaited once, at the end. While the pool is still starting (it takes seconds, and the first
+    step's compilation starts a few seconds after it is asked for), the kernels are left to that
+    end too, rather than compiled in this process one after another during lowering. A region whose inputs come with other strides (a transposed attention
     output, which the model takes as contiguous) is compiled for them at its first call, as without
     this."""
     pending = [[(b, fn) for b in trace.bound_symbols
@@ -227,7 +229,7 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
                              time.perf_counter() - start))
 
     try:
-        with _kernel_waits_deferred(scopes):
+        with _kernels_deferred(scopes):
             torch.no_grad()(no_autocast(lower_each))()
     finally:
         # Even after a failure: a module loaded meanwhile is cached by its source, and a later
@@ -245,36 +247,80 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
 
 
 @contextlib.contextmanager
-def _kernel_waits_deferred(scopes: list[dict]) -> Iterator[None]:
+def _kernels_deferred(scopes: list[dict]) -> Iterator[None]:
     """Inductor's compiled modules, loaded meanwhile by this thread, return at once from their wait
     for their Triton kernels (``async_compile.wait(globals())``), their globals left in ``scopes``
-    to await later. Another thread's compilations wait as usual."""
+    to await later. And while inductor's compile pool is still starting, their kernels are not
+    compiled at load, one after another in this process, but when awaited (``_DeferredKernel``): by
+    then the pool may be ready to compile them side by side. Another thread's compilations go as
+    usual."""
     from torch._inductor.async_compile import AsyncCompile
 
-    wait, thread = AsyncCompile.wait, threading.get_ident()
+    wait, triton, thread = AsyncCompile.wait, AsyncCompile.triton, threading.get_ident()
+    deferred_kernels: dict[tuple, _DeferredKernel] = {}
 
-    def deferred(self, scope: dict) -> None:
+    def deferred_wait(self, scope: dict) -> None:
         if threading.get_ident() == thread:
             scopes.append(scope)
         else:
             wait(self, scope)
 
-    AsyncCompile.wait = deferred
+    def deferred_triton(self, kernel_name: str, source_code: str, *args, **kwargs):
+        if threading.get_ident() != thread or self.use_process_pool():
+            return triton(self, kernel_name, source_code, *args, **kwargs)
+        key = (kernel_name, source_code, args, tuple(sorted(kwargs.items())))
+        if key not in deferred_kernels:
+            deferred_kernels[key] = _DeferredKernel(functools.partial(triton, self, kernel_name, source_code,
+                                                                      *args, **kwargs))
+        return deferred_kernels[key]
+
+    AsyncCompile.wait, AsyncCompile.triton = deferred_wait, deferred_triton
     try:
         yield
     finally:
-        AsyncCompile.wait = wait
+        AsyncCompile.wait, AsyncCompile.triton = wait, triton
+
+
+class _DeferredKernel:
+    """A Triton kernel whose compilation starts when it is awaited: ``start`` hands it to inductor's
+    compile pool if the pool is ready then (a future), else compiles it in this process."""
+
+    def __init__(self, compile_kernel: Callable[[], object]) -> None:
+        self._compile = compile_kernel
+        self._started: object | None = None
+
+    def start(self) -> None:
+        if self._started is None:
+            self._started = self._compile()
+
+    def result(self) -> object:
+        from torch._inductor.codecache import CodeCacheFuture
+
+        self.start()
+        started = self._started
+        return started.result() if isinstance(started, (Future, CodeCacheFuture)) else started
 
 
 def _await_kernels(scopes: Sequence[dict]) -> None:
-    """Each scope's kernel futures replaced by their kernels, as inductor's wait does. Modules
-    compiled in one batch can share a future (a kernel of the same source): each is awaited once."""
+    """Each scope's kernel futures replaced by their kernels, as inductor's wait does. Deferred
+    kernels are started first, in order, so that once the pool is ready the rest compile there side
+    by side. Modules compiled in one batch can share a future (a kernel of the same source): each is
+    awaited once."""
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import CodeCacheFuture
 
+    for scope in scopes:
+        for v in scope.values():
+            if isinstance(v, _DeferredKernel):
+                v.start()
     kernels: dict[int, object] = {}
     futures: list[object] = []  # alive while ``kernels`` is keyed by their ids
     for scope in scopes:
+        for k, v in scope.items():
+            if isinstance(v, _DeferredKernel):
+                scope[k] = kernels[id(v)] if id(v) in kernels else v.result()
+                kernels[id(v)] = scope[k]
+                futures.append(v)
         pending = {k: v for k, v in scope.items() if isinstance(v, (Future, CodeCacheFuture))}
         futures.extend(pending.values())
         for k, v in pending.items():
