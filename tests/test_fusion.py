@@ -292,6 +292,26 @@ def test_kernels_loaded_while_the_compile_pool_starts_compile_when_awaited_each_
     assert compiled == [("a", True), ("b", True)]
 
 
+def test_a_compiled_concatenation_with_empty_tensors_has_eagers_strides():
+    """litgpt's rotary embedding concatenates each head's rotated part with an empty rest where the
+    rotation covers the whole head (Llama). Eagerly the result is contiguous; inductor's own
+    decomposition keeps the rotation's (B, T, H, D) order, where the memory model expects eager's
+    strides (and cuDNN returns the gradient in the query's order)."""
+    from thunder_memopt.executors import fusion
+
+    def rotate_and_concatenate(x, rest):
+        return [torch.cat([(x.float() * 2).to(torch.bfloat16), rest], -1)]
+
+    x = torch.randn(1, 16, 4, 32, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, T, D), (B, T, H, D) in memory
+    rest = torch.empty(1, 4, 16, 0, dtype=torch.bfloat16)
+    mode = fusion._fake_mode()
+    with torch.no_grad():
+        compiled = fusion._inductor_compiled(rotate_and_concatenate, [mode.from_tensor(t) for t in (x, rest)])
+        (got,), (expected,) = compiled(x, rest), rotate_and_concatenate(x, rest)
+    assert got.stride() == expected.stride() == (4 * 16 * 32, 16 * 32, 32, 1)
+    assert torch.equal(got, expected)
+
+
 def test_a_failing_compile_ahead_leaves_the_regions_to_their_first_calls_with_one_warning(monkeypatch):
     """Training goes on: the regions (of a width no other test fuses) compile at their first calls,
     and the step computes what the fusion executor alone computes, bit for bit, as it does when

@@ -342,28 +342,59 @@ def _inductor_compiled(fn: Callable, fake_args: Sequence) -> Callable:
     """``fn`` traced and compiled for ``fake_args`` (fake tensors of one ``_fake_mode()``, and
     non-tensor values, which the compiled function takes as constants).
 
-    Traced into inductor's ATen IR (``make_fx`` with inductor's decompositions) and handed to
-    inductor's graph compiler (``compile_fx_inner``), as ``compile_fx`` does after AOTAutograd. A
-    region needs nothing of AOTAutograd: no autograd (it runs under no_grad) and no mutation.
+    Traced into inductor's ATen IR (``make_fx`` with inductor's decompositions, a concatenation of
+    one tensor with empty ones made a contiguous copy as eagerly) and handed to inductor's graph
+    compiler (``compile_fx_inner``), as ``compile_fx`` does after AOTAutograd. A region needs
+    nothing of AOTAutograd: no autograd (it runs under no_grad), and a function that updates its
+    inputs (``compiled_function``) is functionalized first.
     Skipping its retrace, its cache key and its joint-graph passes took the regions' compilation of
     a 2-layer stablecode from 6.85 to 4.72 s on one H200 (benchmarks/results/compile_time_h200.md)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.utils import output_node
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch.Tensor)), None) or _fake_mode()
     # The tracing context gives inductor's FX graph cache the fake mode's ShapeEnv, its key's part.
     with config.patch({**EAGER_NUMERICS, **NO_AUTOTUNING}), tracing(TracingContext(fake_mode)):
-        graph = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fake_args)
+        graph = make_fx(fn, decomposition_table=_decompositions(), tracing_mode="fake")(*fake_args)
+        _contiguous_single_tensor_cats(graph)
         # A region returns a list. Every output keeps the strides it has eagerly, as compile_fx has
         # inductor keep a model's.
         out = output_node(graph)
         out.meta["user_visible_output_idxs"] = [i for i, o in enumerate(out.args[0]) if isinstance(o, torch.fx.Node)]
         compiled = compile_fx_inner(graph, list(fake_args), is_inference=True)
     return lambda *args: compiled(list(args))  # it takes a list, which it empties
+
+
+def _decompositions() -> dict:
+    """Inductor's decompositions, but for ``cat``: see ``_contiguous_single_tensor_cats``."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {op: f for op, f in select_decomp_table().items() if op is not torch.ops.aten.cat.default}
+
+
+def _contiguous_single_tensor_cats(graph: torch.fx.GraphModule) -> None:
+    """Each contiguous ``cat`` of one tensor and empty ones made a contiguous copy of that tensor.
+
+    litgpt's rotary embedding concatenates the rotated part of each head with the rest, which is
+    empty where the rotation covers the whole head (Llama's). Eagerly the result is contiguous;
+    inductor takes such a cat for a ``clone`` that keeps the rotation's layout, the (B, T, H, D)
+    order of the fused qkv projection (on one H200, Llama-3-8B: cuDNN then returned that layout's
+    gradient to a region compiled ahead for contiguous inputs, which was compiled again at its
+    first call)."""
+    for node in graph.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default):
+        full = [t for t in node.args[0] if t.meta["val"].numel() != 0]
+        if len(full) != 1 or not node.meta["val"].is_contiguous():
+            continue
+        with graph.graph.inserting_before(node):
+            copy = graph.graph.call_function(torch.ops.aten.clone.default, (full[0],),
+                                             {"memory_format": torch.contiguous_format})
+        copy.meta.update(node.meta)
+        node.replace_all_uses_with(copy)
+        graph.graph.erase_node(node)
+    graph.recompile()
 
 
 # Compiled functions by their region's canonical ops and their inputs' metadata, so that every layer's
