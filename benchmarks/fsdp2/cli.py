@@ -85,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     measure.add_argument("--iters", type=positive_int, default=5, help="measured steps")
     measure.add_argument("--profile", action="store_true", help="torch.profiler summary of the measured steps")
     measure.add_argument("--first-step-profile", action="store_true",
-                         help="cProfile over the first step (compilation included): its functions by cumulative time, in the row and the log")
+                         help="cProfile over the first step (compilation included): its functions by "
+                              "cumulative time, in the row and the log")
     measure.add_argument("--memory-snapshot", metavar="PATH",
                          help="CUDA allocator snapshot of the measured steps (rank 0), one file per row")
     measure.add_argument("--loss-rtol", type=float, default=0.02,

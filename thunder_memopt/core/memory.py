@@ -259,8 +259,8 @@ def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = 
     """Each tensor's strides as the model simulates them to tell views: a view's follow its base's
     (a reshape's where PyTorch can view, an expand's, a transpose's), a region's outputs are as its
     decomposition makes them, offload's copies keep their source's, an op in ``OUTPUT_STRIDES``
-    says, and what any other op allocates is contiguous. What the trace receives is contiguous unless ``received`` gives its strides (a
-    backward's saved tensors, its forward's).
+    says, and what any other op allocates is contiguous. What the trace receives is contiguous
+    unless ``received`` gives its strides (a backward's saved tensors, its forward's).
     Not what the estimate reads: there, an output of a region is its own storage unless it views an
     argument or another output."""
     bsyms = [b for b in trace.bound_symbols if b.sym.name not in DELETION_NAMES]

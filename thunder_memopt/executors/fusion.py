@@ -196,9 +196,9 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
     is lowered while the workers compile the kernels of the regions before it, and the kernels are
     awaited once, at the end. While the pool is still starting (it takes seconds, and the first
     step's compilation starts a few seconds after it is asked for), the kernels are left to that
-    end too, rather than compiled in this process one after another during lowering. A region whose inputs come with other strides (a transposed attention
-    output, which the model takes as contiguous) is compiled for them at its first call, as without
-    this."""
+    end too, rather than compiled in this process one after another during lowering. A region
+    whose inputs come with other strides than the model foresees is compiled for them at its first
+    call, as without this."""
     pending = [[(b, fn) for b in trace.bound_symbols
                 if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor)
                 for fn in b._call_ctx.values() if isinstance(fn, _CompiledRegion) and fn.seconds is None]
