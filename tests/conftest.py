@@ -10,7 +10,10 @@ worker idles, so the longest go first.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 # Longest first (seconds of one worker on 2 busy cores, the whole file). Other files follow.
 LONGEST_FIRST = (
@@ -29,3 +32,17 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).name, len(rank)))  # stable
+
+
+@pytest.fixture(autouse=True)
+def _forget_dynamos_module_tags() -> Iterator[None]:
+    """Once dynamo has run in a process (the ThunderCompiler tests), it tags every nn.Module built
+    afterwards in a weak dictionary (``GenerationTracker``). litgpt's forward builds an
+    ``nn.Identity``, so Thunder's interpreter, tracing a later test's model, iterates that dictionary,
+    which then holds every module of the earlier tests; a garbage collection during the iteration
+    removes entries from it ('dictionary changed size during iteration', seen once in a full run).
+    Each test starts with it empty, as ``torch._dynamo.reset()`` leaves it."""
+    yield
+    from torch._dynamo.mutation_guard import GenerationTracker
+
+    GenerationTracker.clear()
