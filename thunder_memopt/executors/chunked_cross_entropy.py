@@ -138,6 +138,12 @@ def _run(f, *tensors, **constants):
     return f(*tensors, **constants) if compiled is None else compiled(*tensors)
 
 
+def _vocabulary_width(tokens: int, vocab: int, chunk: int) -> int:
+    """Classes per slice when the backward walks the vocabulary (fewer tokens than classes): the
+    bytes of one forward chunk of ``chunk`` tokens' logits."""
+    return max(1, chunk * vocab // tokens)
+
+
 def _spans(total: int, step: int) -> list[tuple[int, int]]:
     """(start, stop) of consecutive chunks of ``step`` (the last one shorter) covering ``total``."""
     return [(start, min(total, start + step)) for start in range(0, total, step)]
@@ -209,7 +215,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     target = torch.where(valid, targets, 0)
     with_bias = bias is not None and needs_weight_grad
     if n < vocab:
-        width = max(1, chunk * vocab // n)
+        width = _vocabulary_width(n, vocab, chunk)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight) if needs_weight_grad else None
         grad_bias = torch.empty_like(bias) if with_bias else None
@@ -444,7 +450,7 @@ def _backward_workspace(bsym) -> int:
     hidden, weight, chunk = bsym.args[1], bsym.args[2], bsym.args[8]
     (n, width), vocab = hidden.shape, weight.shape[0]
     if n < vocab:  # vocabulary chunks; the hidden states' gradient summed in fp32
-        rows, columns, accumulator = n, max(1, chunk * vocab // n), n * width
+        rows, columns, accumulator = n, _vocabulary_width(n, vocab, chunk), n * width
     else:
         rows, columns, accumulator = min(chunk, n), vocab, vocab * width
     logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes
@@ -479,7 +485,7 @@ def _functions_called(bsym) -> list:
         else:
             kinds = (torch.float32, index, torch.bool, torch.float32)
             if n < vocab:  # as _backward walks the vocabulary
-                widths = sorted({stop - start for start, stop in _spans(vocab, max(1, chunk * vocab // n))})
+                widths = sorted({stop - start for start, stop in _spans(vocab, _vocabulary_width(n, vocab, chunk))})
                 calls = [(_logits_grad, rows(n, c)) for c in widths]
             else:
                 calls = [(_logits_grad, rows(r)) for r in sizes]
