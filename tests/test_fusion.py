@@ -2,6 +2,8 @@
 CPU where inductor's C++ backend serves, with and without MemoryOptimization; the cuDNN attention
 executor's checker; the executor list's nvFuser guard; the torch.compile backend's defaults."""
 
+from concurrent.futures import Future
+
 import pytest
 import thunder
 import torch
@@ -292,6 +294,27 @@ def test_kernels_loaded_while_the_compile_pool_starts_compile_when_awaited_each_
     assert compiled == [("a", True), ("b", True)]
 
 
+def test_kernels_compiled_ahead_are_awaited_at_each_regions_first_run_and_all_before_a_compilation(monkeypatch):
+    """compile_ahead returns while the Triton kernels of the regions it lowered still compile: each
+    region waits at its first run for its own module's (the forward's do not wait for the
+    backward's), and a later compilation waits for them all, since it may load one of these modules
+    from inductor's cache. Futures stand in for the compile pool's."""
+    from torch._inductor import async_compile
+
+    from thunder_memopt.executors import fusion
+
+    monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 2)
+    forward_kernel, backward_kernel = Future(), Future()
+    forward_module, backward_module = {"k": forward_kernel}, {"k": backward_kernel}
+    batch = fusion._PendingKernels([forward_module, backward_module])
+    forward_kernel.set_result("forward kernel")
+    batch.part([forward_module]).wait()
+    assert forward_module == {"k": "forward kernel"} and backward_module["k"] is backward_kernel
+    backward_kernel.set_result("backward kernel")
+    fusion._PendingKernels.await_all()
+    assert backward_module == {"k": "backward kernel"} and not fusion._PendingKernels._outstanding
+
+
 def test_a_compiled_concatenation_with_empty_tensors_has_eagers_strides():
     """litgpt's rotary embedding concatenates each head's rotated part with an empty rest where the
     rotation covers the whole head (Llama). Eagerly the result is contiguous; inductor's own
@@ -357,7 +380,7 @@ def test_a_region_compiled_ahead_computes_what_it_computes_compiled_at_its_first
         assert all(a.ndim >= 2 for a in args) and all(a.stride() != b.stride() for a, b in zip(args, strided))
         assert all(torch.equal(x, y) for x, y in zip(ahead(*strided), at_call(*strided)))
         assert (ahead.layouts_ahead, ahead.layouts_at_call) == (1, 1)
-    # Each one's time splits into lowering, compile_ahead's wait for kernels (none at a call), and
+    # Each one's time splits into lowering, the wait for kernels compiled ahead (none at a call), and
     # first runs.
     for fn in (ahead, at_call):
         assert 0 < fn.lowering_seconds and fn.lowering_seconds + fn.kernel_wait_seconds <= fn.seconds

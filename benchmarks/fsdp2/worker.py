@@ -387,7 +387,7 @@ def run(trial_file: Path) -> int:
         result["fusion_functions"], result["fusion_compile_s"] = stats.functions, stats.compile_seconds
         # Input layouts compiled ahead of their first calls (MemoryOptimization) and at them.
         result["fusion_layouts_ahead"], result["fusion_layouts_at_call"] = stats.layouts_ahead, stats.layouts_at_call
-        # Of fusion_compile_s: inductor's lowering, and compile_ahead's wait for the kernels.
+        # Of fusion_compile_s: inductor's lowering, and the waits for kernels compiled ahead, at first runs.
         result["fusion_lowering_s"], result["fusion_kernel_wait_s"] = stats.lowering_seconds, stats.kernel_wait_seconds
     if rank == 0:
         write_json(out_dir / RESULT_FILE, result)  # kept if the measurement below fails

@@ -99,7 +99,7 @@ class CompileStats:
     layouts_at_call: int  # input layouts compiled at a first call (not compiled ahead)
     compile_seconds: float  # time of their compilation and of each layout's first run (loading its kernels)
     # Of that: inductor's lowering to code (with the wait for a layout's kernels when compiled at a
-    # call), and compile_ahead's waits for the kernels of the regions it lowered.
+    # call), and, for layouts compiled ahead, the wait at their first runs for kernels still compiling.
     lowering_seconds: float
     kernel_wait_seconds: float
 
@@ -121,6 +121,8 @@ class _CompiledRegion:
         self.layouts_ahead = self.layouts_at_call = 0
         self._by_layout: dict[tuple, Callable] = {}
         self._not_run_yet: set[tuple] = set()  # layouts compiled ahead, whose first run is still to time
+        # Layouts compiled ahead whose Triton kernels may still be compiling: awaited at the first run.
+        self._kernels_of: dict[tuple, _PendingKernels.Part] = {}
         # Shapes, dtypes and devices of the inputs, for compile_ahead; None if one is not a tensor
         # (its value is known only at the call).
         self._tensor_inputs = tensor_inputs
@@ -145,6 +147,7 @@ class _CompiledRegion:
             return compiled(*args)
         start = time.perf_counter()
         if compiled is None:
+            _PendingKernels.await_all()  # the compilation may load a module of theirs from the cache
             mode = _fake_mode()
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             compiled = self._by_layout[layout] = _inductor_compiled(self.fn, fake)
@@ -152,6 +155,9 @@ class _CompiledRegion:
             self._add_seconds(lowering=time.perf_counter() - start)
             start = time.perf_counter()
         self._not_run_yet.discard(layout)
+        if layout in self._kernels_of:
+            self._add_seconds(kernel_wait=self._kernels_of.pop(layout).wait())
+            start = time.perf_counter()
         out = compiled(*args)  # timed too: a first run loads its kernels
         self._add_seconds(first_run=time.perf_counter() - start)
         return out
@@ -216,7 +222,9 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
         strides = simulated_strides(trace, received=strides)
         for b, fn in found:
             regions.setdefault(id(fn), (fn, [strides.get(getattr(a, "name", None)) for a in b.args]))
-    compiled: list[tuple[_CompiledRegion, tuple, Callable, float]] = []
+    # A module lowered now may be one the regions before loaded, from inductor's cache.
+    _PendingKernels.await_all()
+    compiled: list[tuple[_CompiledRegion, tuple, Callable, float, slice]] = []
     scopes: list[dict] = []
 
     def lower_each() -> None:  # under no_grad and no autocast, as the regions run
@@ -224,25 +232,26 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
             example = fn.example(strides)
             if example is None:
                 continue
-            start = time.perf_counter()
-            compiled.append((fn, tuple(map(_strides, example)), _inductor_compiled(fn.fn, example),
-                             time.perf_counter() - start))
+            start, first = time.perf_counter(), len(scopes)
+            function = _inductor_compiled(fn.fn, example)
+            compiled.append((fn, tuple(map(_strides, example)), function, time.perf_counter() - start,
+                             slice(first, len(scopes))))
 
     try:
         with _kernels_deferred(scopes):
             torch.no_grad()(no_autocast(lower_each))()
-    finally:
-        # Even after a failure: a module loaded meanwhile is cached by its source, and a later
-        # compilation of the same region must find its kernels in place.
-        start = time.perf_counter()
+    except BaseException:
+        # A module loaded meanwhile is cached by its source, and a later compilation of the same
+        # region must find its kernels in place.
         _await_kernels(scopes)
-    waited = (time.perf_counter() - start) / max(len(compiled), 1)
-    # Only now, the kernels in place, may the regions use what was compiled.
-    for fn, layout, function, seconds in compiled:
+        raise
+    batch = _PendingKernels(scopes)
+    for fn, layout, function, seconds, span in compiled:
         fn._by_layout[layout] = function
         fn._not_run_yet.add(layout)
+        fn._kernels_of[layout] = batch.part(scopes[span])
         fn.layouts_ahead += 1
-        fn._add_seconds(lowering=seconds, kernel_wait=waited)
+        fn._add_seconds(lowering=seconds)
     return len(compiled)
 
 
@@ -301,20 +310,72 @@ class _DeferredKernel:
         return started.result() if isinstance(started, (Future, CodeCacheFuture)) else started
 
 
-def _await_kernels(scopes: Sequence[dict]) -> None:
-    """Each scope's kernel futures replaced by their kernels, as inductor's wait does. Deferred
-    kernels are started first, in order, so that once the pool is ready the rest compile there side
-    by side. Modules compiled in one batch can share a future (a kernel of the same source): each is
-    awaited once."""
-    from torch._inductor.async_compile import AsyncCompile
-    from torch._inductor.codecache import CodeCacheFuture
+class _PendingKernels:
+    """The Triton kernels of the modules one ``compile_ahead`` loaded, compiling in inductor's pool
+    while the step starts. Each region awaits its own module's kernels at its first run; any later
+    compilation first awaits them all, since it may load one of these modules from inductor's cache,
+    which does not run the module's wait again."""
 
+    _outstanding: list[_PendingKernels] = []
+    _lock = threading.RLock()  # a backward runs in autograd's threads
+
+    @dataclass(frozen=True)
+    class Part:
+        batch: _PendingKernels
+        scopes: Sequence[dict] | None  # None: every module of the batch
+
+        def wait(self) -> float:
+            """Seconds spent waiting for these modules' kernels."""
+            return self.batch._wait(self.scopes)
+
+    def __init__(self, scopes: Sequence[dict]) -> None:
+        self._scopes = scopes
+        # Kernels by their future's id, across waits: modules of one batch can share a future (a
+        # kernel of the same source), and inductor's loaded-kernel futures build a kernel per result().
+        self._kernels: dict[int, object] = {}
+        self._futures: list[object] = []  # alive while ``_kernels`` is keyed by their ids
+        _start_deferred(scopes)
+        with self._lock:
+            self._outstanding.append(self)
+
+    def part(self, scopes: Sequence[dict]) -> Part:
+        """The kernels of ``scopes``; of the whole batch if a region loaded no module of its own (it
+        reuses one that another region of the batch loaded)."""
+        return self.Part(self, scopes or None)
+
+    def _wait(self, scopes: Sequence[dict] | None) -> float:
+        start = time.perf_counter()
+        with self._lock:
+            _await_kernels(self._scopes if scopes is None else scopes, self._kernels, self._futures)
+        return time.perf_counter() - start
+
+    @classmethod
+    def await_all(cls) -> None:
+        with cls._lock:
+            while cls._outstanding:
+                cls._outstanding.pop()._wait(None)
+
+
+def _start_deferred(scopes: Sequence[dict]) -> None:
+    """The deferred kernels of ``scopes`` started in order: once inductor's pool is ready, the rest
+    compile there side by side."""
     for scope in scopes:
         for v in scope.values():
             if isinstance(v, _DeferredKernel):
                 v.start()
-    kernels: dict[int, object] = {}
-    futures: list[object] = []  # alive while ``kernels`` is keyed by their ids
+
+
+def _await_kernels(scopes: Sequence[dict], kernels: dict[int, object] | None = None,
+                   futures: list[object] | None = None) -> None:
+    """Each scope's kernel futures replaced by their kernels, as inductor's wait does, its deferred
+    kernels started first (``_start_deferred``). A future shared by several scopes is awaited once (``kernels``, by its id, kept valid
+    by ``futures``: both may carry over from an earlier call)."""
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CodeCacheFuture
+
+    kernels = {} if kernels is None else kernels
+    futures = [] if futures is None else futures
+    _start_deferred(scopes)
     for scope in scopes:
         for k, v in scope.items():
             if isinstance(v, _DeferredKernel):
