@@ -32,6 +32,10 @@
 #                   several chunks of --time-limit)
 #   sc32-long       one GPU, FSDP2 with one rank, stablecode 32 layers, T=131072: eager-ac against
 #                   thunder+memopt-offload at budget 0.0, one warm-up and two measured steps each
+#   llama3-8b-fused one GPU, FSDP2 with one rank, Llama-3-8B, 4 layers, T=8192, AdamW fused (--optimizer fused:
+#                   no foreach temporary under every backend's peak): inductor, inductor-budget at 0.5,
+#                   thunder+memopt at 1.0 and thunder+memopt-offload at 1.0, with an allocator snapshot per row
+#                   in LOG_DIR (or OUT_DIR) to show where each peak is (issue 16's Llama criterion)
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -127,6 +131,11 @@ case "$GROUP" in
             --block-size 131072 --shard-mode zero2 --loss-mode in-graph --warmup 1 --iters 2 \
             --compile eager-ac thunder+memopt-offload --offload-budget 0.0 \
             --out "$OUT/stablecode_32l_zero2_1xH200_T131072.jsonl" ;;
+    llama3-8b-fused)
+        CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name Llama-3-8B --n-layer 4 --block-size 8192 --shard-mode zero2 \
+            --optimizer fused --compile inductor inductor-budget thunder+memopt thunder+memopt-offload \
+            --memopt-budget 1.0 --offload-budget 1.0 --memory-snapshot "${LOG_DIR:-$OUT}/llama3_8b_fused_snapshots" \
+            --out "$OUT/llama3_8b_4l_zero2_1xH200_T8192_fused_adamw.jsonl" ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

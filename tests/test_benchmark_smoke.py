@@ -230,13 +230,13 @@ def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
 
 
 def test_resume_takes_rows_written_before_later_options():
-    """--resume on the committed files must not measure again an eager row written before --autocast
-    and --fusion existed, but must measure again a thunder+memopt row of that time, which ran on
+    """--resume on the committed files must not measure again an eager row written before --autocast,
+    --fusion and --optimizer existed, but must measure again a thunder+memopt row of that time, which ran on
     Thunder's executors alone."""
     trial = _stablecode_trial()
     memopt = trial.replace(backend="thunder+memopt", budget=1.0)
     before_options = {"row_type": "run", **trial.key()}
-    for added_later in ("autocast", "fusion"):
+    for added_later in ("autocast", "fusion", "optimizer"):
         del before_options[added_later]
     assert driver.same_measurement(before_options, {"row_type": "run", **trial.key()})
     memopt_before = {**before_options, "backend": "thunder+memopt", "budget": 1.0, "fuse_replays": "auto"}
@@ -270,6 +270,39 @@ def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
             assert loss.logits.shape == (1, 64, config.padded_vocab_size)
     assert losses["litgpt"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
     assert losses["outside-fp32"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
+
+
+def test_optimizer_flag_picks_adamws_implementation_and_both_take_the_same_step():
+    """--optimizer foreach (the default) and fused build AdamW with that implementation, the same for
+    every backend; one step of each moves the weights alike (fused keeps the bf16 moments at fp32
+    between its operations: within two bf16 units of each weight, or a fifth of the learning rate
+    where a weight is near zero), and the rows and headings say which ran."""
+    import torch
+
+    from benchmarks.fsdp2.cli import parse_args, resolve_defaults, trial_template
+
+    def trial_of(argv: list[str]) -> Trial:
+        args, parser = parse_args(argv)
+        resolve_defaults(args, parser, cuda=False)
+        return trial_template(args, world_size=1)
+
+    assert trial_of(["--compile", "eager"]).numerics.optimizer == "foreach"
+    fused_trial = trial_of(["--compile", "eager", "--optimizer", "fused"])
+    assert fused_trial.numerics.optimizer == "fused" and "optimizer=fused" in fused_trial.describe()
+    weights = {}
+    for optimizer in ("foreach", "fused"):
+        trial = _stablecode_trial(n_layer=1, n_embd=128, narrowed=True, block_size=32, distributed_mode="none",
+                                  world_size=1, optimizer=optimizer)
+        session = worker.TrainingSession(trial, torch.device("cpu"), rank=0)
+        assert session.optimizer.defaults[optimizer] is True
+        from thunder_memopt.models import training_step
+
+        training_step(session.training.loss, session.optimizer, session.input_ids, session.targets)
+        weights[optimizer] = [p.detach().float().clone() for p in session.training.parameters_owner.parameters()]
+    for a, b in zip(weights["foreach"], weights["fused"]):
+        torch.testing.assert_close(a, b, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=worker.LEARNING_RATE / 5)
+    assert "AdamW fused" in tables.heading({**TABLE_ROW, "optimizer": "fused"})
+    assert "AdamW" not in tables.heading(TABLE_ROW)  # rows written before the flag: foreach
 
 
 # An ok run row with the configuration fields the tables group by; tests add the rest.

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.fsdp2 import backends, driver, search
-from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, LOSS_MODES, SHARD_MODES, Compilation, Measurement, Numerics,
+from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation, Measurement, Numerics,
                                     Sharding, Trial, Workload)
 from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_int
 from thunder_memopt.models import DTYPES, narrow_config
@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                        help="in-graph: the cross-entropy inside the compiled module (default); after it, in eager, "
                             "with the logits held through the step as a training loop holds them: litgpt "
                             "(litgpt's chunked_cross_entropy) or outside-fp32 (cross_entropy of logits.float())")
+    model.add_argument("--optimizer", choices=OPTIMIZERS, default="foreach",
+                       help="AdamW's implementation, the same for every backend: foreach (default; its step "
+                            "allocates a temporary the size of all parameters, a peak no backend can lower) or "
+                            "fused (none)")
     model.add_argument("--autocast", action="store_true",
                        help="bf16 torch.autocast over parameters kept in --dtype (which must then be fp32)")
     model.add_argument("--seed", type=int, default=0, help="weights and batch (rank r's batch: seed + r)")
@@ -137,7 +141,7 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                           narrowed=args.n_embd is not None, block_size=args.block_size[0],
                           micro_batch_size=args.micro_batch_size, seed=args.seed),
         numerics=Numerics(dtype=str(DTYPES[args.dtype]).removeprefix("torch."), autocast=args.autocast,
-                          loss_mode=args.loss_mode),
+                          loss_mode=args.loss_mode, optimizer=args.optimizer),
         sharding=Sharding(distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,
                           world_size=1 if args.distributed_mode == "none" else world_size),
         compilation=Compilation(backend=args.compile[0],

@@ -32,9 +32,9 @@ from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, S
 # The fields that make two runs comparable, apart from block size, backend and budget; in this
 # order in the headings and plot titles.
 CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
-                 "shard_mode", "autocast", "loss_mode", "world_size", "gpu")
+                 "shard_mode", "autocast", "loss_mode", "optimizer", "world_size", "gpu")
 SETTING_NAMES = {"model": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=", "micro_batch_size": "B=",
-                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "loss_mode": "loss=", "world_size": "ranks=", "gpu": "",
+                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "loss_mode": "loss=", "optimizer": "AdamW ", "world_size": "ranks=", "gpu": "",
                  "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
@@ -86,8 +86,10 @@ def heading(row: dict) -> str:
     autocast = " + bf16 autocast" if row.get("autocast") else ""
     loss_mode = field_value(row, "loss_mode")
     loss = "" if loss_mode == FIELD_DEFAULTS["loss_mode"] else f", loss {loss_mode} (after the compiled model)"
+    optimizer = field_value(row, "optimizer")
+    adamw = "" if optimizer == FIELD_DEFAULTS["optimizer"] else f", AdamW {optimizer}"
     return (f"{row['model']}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "
-            f"{row['dtype']}{autocast}{loss}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
+            f"{row['dtype']}{autocast}{loss}{adamw}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
             f"{row['world_size']} × {row['gpu']}")
 
 

@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
+# AdamW's implementations: foreach (torch's default on CUDA) allocates, in its step, a temporary the size
+# of all parameters (the square root of the second moments); fused (torchtitan's default) none.
+OPTIMIZERS = ("foreach", "fused")
 DISTRIBUTED_MODES = ("fsdp2", "thunder-fsdp", "none")
 SHARD_MODES = ("zero2", "zero3")
 # row_type: a measured run (a --find-max-block-size probe too), or a search's summary.
@@ -30,7 +33,7 @@ SEARCH_ROW = "max_block_size"
 # probe that ends otherwise stops its search.
 FINAL_STATUSES = ("ok", "OOM")
 # Fields added later: rows written before them had these values.
-FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph"}
+FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph", "optimizer": "foreach"}
 # The profiler's kernel names run to hundreds of characters of templates: a row keeps this many.
 KERNEL_NAME_CHARS = 90
 
@@ -50,11 +53,13 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Numerics:
-    """How the step computes: the parameters' dtype, autocast over them, and where the loss runs."""
+    """How the step computes: the parameters' dtype, autocast over them, where the loss runs, and
+    the optimizer's implementation."""
 
     dtype: str  # torch's name: bfloat16, float16, float32
     autocast: bool = False  # bf16 torch.autocast over parameters kept in ``dtype``
     loss_mode: str = "in-graph"  # one of LOSS_MODES
+    optimizer: str = "foreach"  # AdamW's implementation, one of OPTIMIZERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +165,8 @@ class Trial:
             options += " autocast"
         if numerics.loss_mode != "in-graph":
             options += f" loss={numerics.loss_mode}"
+        if numerics.optimizer != FIELD_DEFAULTS["optimizer"]:
+            options += f" optimizer={numerics.optimizer}"
         return (f"{compilation.backend}{options} T={workload.block_size} ({workload.model}, {workload.n_layer} layers, "
                 f"{sharding_of(self.key())}, world size {self.sharding.world_size})")
 

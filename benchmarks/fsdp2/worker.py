@@ -237,7 +237,8 @@ class TrainingSession:
                                     block_size=workload.block_size)
         gpt = build_model(self.config, dtype=DTYPES[trial.numerics.dtype], device=device, seed=workload.seed)
         self.training = prepare_training(gpt, trial, device)
-        self.optimizer = torch.optim.AdamW(self.training.parameters_owner.parameters(), lr=LEARNING_RATE)
+        self.optimizer = torch.optim.AdamW(self.training.parameters_owner.parameters(), lr=LEARNING_RATE,
+                                           **{trial.numerics.optimizer: True})  # foreach=True or fused=True
         if device.type == "cuda":
             # build_model makes fp32 weights and then casts them: give that cache back, so that reserved
             # memory shows what training needs.
