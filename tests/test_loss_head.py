@@ -103,7 +103,7 @@ def test_function_rejects_bad_options():
 
 
 def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vocab_size=512, seq_len=SEQ_LEN,
-              ignore=False, budget=1.0, passes=PASSES):
+              ignore=False, budget=1.0, passes=PASSES, **memopt_options):
     """One step of GPTWithLoss (the loss in the trace) under thunder.jit with MemoryOptimization."""
     cfg = narrow_config(model_name, n_layer=N_LAYER, n_embd=128, block_size=seq_len, vocab_size=vocab_size)
     model = GPTWithLoss(build_model(cfg, dtype=dtype), upcast_logits=upcast)
@@ -112,7 +112,7 @@ def _jit_step(model_name, *, fused: bool, dtype=torch.bfloat16, upcast=False, vo
         y = y.clone()  # batch 1: the targets are a view of the same tokens as x
         y[:, :40] = -100
     jitted = thunder.jit(model, executors=executors(loss_head=fused),
-                         transforms=[MemoryOptimization(activation_budget=budget, passes=passes)])
+                         transforms=[MemoryOptimization(activation_budget=budget, passes=passes, **memopt_options)])
     params = [*model.parameters(), *model.buffers()]
     measured = measure_saved(jitted, x, y, parameters=params)
     measured.output.backward()
@@ -152,6 +152,24 @@ def test_jit_fuses_the_head_in_fp32_within_rounding(model_name, budget):
     torch.testing.assert_close(fused.loss, unfused.loss, **FP32)
     for name, grad in unfused.grads.items():
         torch.testing.assert_close(fused.grads[name], grad, **FP32_GRAD, msg=name)
+
+
+def test_with_offload_the_head_recomputes_its_logits_even_at_budget_1():
+    """The long-context setting puts memory first: at budget 1.0 with offload the head keeps each
+    token's log-sum-exp and recomputes its logits in the backward, as below 1.0, instead of holding
+    a logits' gradient buffer of tokens x vocabulary in the forward; the numerics are the same head's."""
+    from thunder_memopt.core.cost import DeviceRates
+
+    rates = DeviceRates(to_host=50e9, to_device=50e9, flops=600e12, memory=4e12)
+    unfused = _jit_step(STABLECODE, fused=False, dtype=torch.float32, upcast=True, ignore=True)
+    offloading = _jit_step(STABLECODE, fused=True, dtype=torch.float32, upcast=True, ignore=True, offload="auto",
+                           offload_rates=rates)
+    forward_symbol, backward_symbol = SYMBOLS[0.5]
+    assert forward_symbol in _names(offloading.forward_trace)
+    assert backward_symbol in _names(offloading.backward_trace)
+    torch.testing.assert_close(offloading.loss, unfused.loss, **FP32)
+    for name, grad in unfused.grads.items():
+        torch.testing.assert_close(offloading.grads[name], grad, **FP32_GRAD, msg=name)
 
 
 # Budget 1.0: 192 tokens in chunks of 128 and 64, and the scaling of the gradients; 0.5: the same

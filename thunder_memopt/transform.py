@@ -97,7 +97,8 @@ class MemoryOptimization(Transform):
         offload: copy saved tensors to pinned host memory in the forward and back in the backward
             (thunder_memopt.passes.offload), on CUDA: "off"; "auto", only the copies that the cost
             model finds hidden behind compute; "budget", also enough of the rest, largest first,
-            that at most ``activation_budget`` of the saved bytes stay on the GPU.
+            that at most ``activation_budget`` of the saved bytes stay on the GPU. With offload the
+            fused loss head recomputes its logits in the backward at any budget (memory first).
         offload_rates: the device rates the offload plan is made for; None measures them once on
             the GPU (``core.cost.measure_rates``). Given, offload also runs on a CPU, copying to a
             second CPU buffer (for tests).
@@ -174,8 +175,10 @@ class MemoryOptimization(Transform):
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         if "loss_head" in self.passes and linear_cross_entropy_ex in kwargs.get("executors_list", ()):
             # At budget 1.0 (time first) the head computes its gradients in the forward, one matmul
-            # less; below it, it recomputes its logits in the backward, the least memory.
-            in_forward = self.activation_budget == 1.0
+            # less, through a logits' gradient buffer of tokens x vocabulary. Below it, and with offload
+            # (the long-context setting: memory first), it recomputes its logits in the backward and
+            # holds nothing of that size.
+            in_forward = self.activation_budget == 1.0 and self.offload is offload_module.OffloadMode.OFF
             fused = self._guarded("loss_head", "the loss unfused",
                                   lambda: loss_head.fuse_loss_heads(computation_trace, gradients_in_forward=in_forward))
             if fused is not None:

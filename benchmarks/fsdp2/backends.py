@@ -172,7 +172,8 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
                             "MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")),
     Backend("thunder+memopt-offload", "the long-context setting: thunder+memopt with MemoryOptimization("
                                       "activation_budget=--offload-budget, offload='budget'), which copies to "
-                                      "pinned host memory what the budget does not keep on the GPU",
+                                      "pinned host memory what the budget does not keep on the GPU; its loss head "
+                                      "recomputes the logits in the backward at any budget",
             thunder=True, own_fields=("memopt_passes", "fusion"),
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True,
                                       offload="budget"),
