@@ -46,6 +46,42 @@ def test_the_plan_offloads_what_hides_behind_compute_at_the_stated_rates():
     assert everything.offloaded_bytes + everything.kept_bytes == saved
 
 
+def test_a_backward_after_another_like_it_finds_its_first_reload_started_there():
+    """A Block's backward under FSDP2 follows the next Block's, during which the executor starts its
+    first reload (each reload starts the one asked for after it, across programs): a tensor read
+    first thing in the backward hides there, while alone it would keep the backward waiting.
+    Reloads that take longer than a backward pile up from one backward to the next and show.
+    (One byte a second: each copy takes its bytes in seconds.)"""
+    rates = DeviceRates(to_host=1.0, to_device=1.0, flops=1.0, memory=1.0)
+    # A forward of 10 s that makes the tensor in its first second; a backward of 10 s that reads it at 1 s.
+    pair = offload_pass._Pair(forward=(), backward=(), forward_times=(0.0, 1.0, 10.0), backward_times=(0.0, 1.0, 10.0))
+    read_first = offload_pass._Candidate("a", nbytes=6, produced=0, last_read=0, first_read=1)
+    assert offload_pass._exposed([read_first], pair, rates) == (True, 5.0)
+    assert offload_pass._exposed([read_first], pair, rates, chained=True) == (True, 0.0)
+    too_long = offload_pass._Candidate("a", nbytes=9, produced=0, last_read=0, first_read=1)
+    read_later = offload_pass._Candidate("b", nbytes=3, produced=0, last_read=0, first_read=1)
+    _, waited = offload_pass._exposed([too_long, read_later], pair, rates, chained=True)
+    assert waited > 0.0
+
+
+def test_a_pair_is_chained_where_its_backward_follows_another_programs():
+    """A Block takes an activation that needs a gradient and gets a tensor's gradient back; a whole
+    model with its loss takes token ids and starts its backward from the scalar loss."""
+    import thunder
+    from litgpt.model import Block
+
+    from thunder_memopt.models import narrow_config
+
+    whole = _budget_zero_step()
+    assert not offload_pass._is_chained(whole.forward_trace, whole.backward_trace)
+    config = narrow_config(STABLECODE, n_layer=1, n_embd=64, block_size=16)
+    block = thunder.jit(Block(config, block_idx=0))
+    x = torch.randn(1, 16, config.n_embd, requires_grad=True)
+    cos, sin = torch.ones(1, 16, config.rope_n_elem), torch.zeros(1, 16, config.rope_n_elem)
+    block(x, cos, sin).sum().backward()
+    assert offload_pass._is_chained(thunder.last_traces(block)[-1], thunder.last_backward_traces(block)[-1])
+
+
 def test_the_budget_keeps_no_more_than_its_share_on_the_device():
     half = _plan(OffloadMode.BUDGET, SLOW, budget=0.5)
     whole = half.offloaded_bytes + half.kept_bytes

@@ -18,7 +18,10 @@ Which tensors: saved activations that own their storage (not views, not paramete
 forward's own outputs nor received tensors that need no gradient, which the caller holds anyway),
 of at least ``min_bytes``. The choice is made on a cost model (``core.cost``): the copies run one
 after another on one stream, the forward's while it computes, the backward's behind the compute
-before each first reader; a copy hides when it ends before it is needed. ``OffloadMode``: ``auto``
+before each first reader; a copy hides when it ends before it is needed. Where the backward follows
+the backward of a program like it (a Block's under FSDP2), its first reload starts during that one
+(the executor's prefetch across programs), and the reloads are modeled in that steady state.
+``OffloadMode``: ``auto``
 offloads only what hides; ``budget`` also offloads, largest first, what it must for at most
 ``activation_budget`` of the saved bytes to stay on the GPU (all of it at budget 0.0).
 
@@ -34,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag, tracectx
 from thunder.core.transforms import (
@@ -58,6 +62,8 @@ __all__ = ["OffloadMode", "OffloadPlan", "plan_offload", "apply_offload", "MIN_B
 
 # Smaller saved tensors are kept: a copy's fixed cost outweighs what it frees.
 MIN_BYTES = 1 << 20
+# Backwards in a row over which a chained pair's reloads are simulated (``_exposed``).
+_CHAINED_BACKWARDS = 3
 
 
 class OffloadMode(enum.Enum):
@@ -77,7 +83,9 @@ class OffloadPlan:
     offloaded_bytes: int
     kept_bytes: int  # saved activation bytes that stay on the GPU
     to_host_hidden: bool  # every copy to the host ends before the forward does
-    exposed_seconds: float  # the backward's wait for reloads beyond its compute
+    # The backward's wait for reloads beyond its compute (in the steady state of a chain of
+    # backwards where the pair's is chained: ``_exposed``).
+    exposed_seconds: float
 
 
 @dataclass(frozen=True)
@@ -178,17 +186,49 @@ def _to_host(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> d
             for c, end in _to_host_ends(chosen, pair, rates)}
 
 
-def _exposed(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> tuple[bool, float]:
-    """(every copy to the host ends within the forward, seconds the backward waits for reloads)."""
+def _exposed(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates, *, chained: bool = False
+             ) -> tuple[bool, float]:
+    """(every copy to the host ends within the forward, seconds the backward waits for reloads).
+
+    Alone, a backward starts its first reload at its top and each next one before the first reader
+    of the one before. ``chained`` (``_is_chained``): the backward runs after the backwards of
+    programs like it, and the executor starts each reload as the reload before it is asked for,
+    across programs (``executors.offload.next_to_prefetch``), so the first reload starts during the
+    backward before. That is simulated over ``_CHAINED_BACKWARDS`` backwards in a row, the last
+    one's wait counted: reloads that take longer than a backward pile up and show there."""
     hidden = all(end <= pair.forward_times[-1] for _, end in _to_host_ends(chosen, pair, rates))
     times = pair.backward_times
     by_use = sorted(chosen, key=lambda c: c.first_read)
-    end = delay = 0.0
-    for j, c in enumerate(by_use):
-        issued = 0.0 if j == 0 else times[by_use[j - 1].first_read] + delay
-        end = max(end, issued) + c.nbytes / rates.to_device
-        delay += max(0.0, end - (times[c.first_read] + delay))
-    return hidden, delay
+    if not chained:
+        end = delay = 0.0
+        for j, c in enumerate(by_use):
+            issued = 0.0 if j == 0 else times[by_use[j - 1].first_read] + delay
+            end = max(end, issued) + c.nbytes / rates.to_device
+            delay += max(0.0, end - (times[c.first_read] + delay))
+        return hidden, delay
+    end = delay = issued = 0.0
+    for round_ in range(_CHAINED_BACKWARDS):
+        start, waited = round_ * times[-1], 0.0
+        for j, c in enumerate(by_use):
+            # Asked for at the top, or before the first reader of the one before; started when the
+            # one before it was asked for (the first of all: at the first top).
+            asked = start + (0.0 if j == 0 else times[by_use[j - 1].first_read]) + delay
+            end = max(end, issued) + c.nbytes / rates.to_device
+            issued = asked
+            wait = max(0.0, end - (start + times[c.first_read] + delay))
+            delay += wait
+            waited += wait
+    return hidden, waited
+
+
+def _is_chained(forward: TraceCtx, backward: TraceCtx) -> bool:
+    """Whether the pair's backward runs after the backward of a program like it: its forward takes
+    an activation that needs a gradient, and its backward receives the gradient of an output that
+    is not a scalar (a Block's, one program per Block under FSDP2), rather than the forward taking
+    only token ids or the backward starting from the loss."""
+    takes = any(t.requires_grad and not is_parameter(t) for t in trace_inputs(forward))
+    cotangents, _ = tree_flatten(backward.args[1])
+    return takes and any(isinstance(t, TensorProxy) and t.ndim > 0 for t in cotangents)
 
 
 def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, budget: float,
@@ -197,12 +237,13 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
     module docstring); ``min_bytes``, the smallest tensor offloaded, defaults to ``MIN_BYTES`` (read
     when called)."""
     pair = _Pair.of(forward, backward, rates)
+    chained = _is_chained(forward, backward)
     candidates, activation_bytes = _candidates(forward, pair, MIN_BYTES if min_bytes is None else min_bytes)
     largest_first = sorted(candidates, key=lambda c: -c.nbytes)
     chosen: list[_Candidate] = []
     if mode is not OffloadMode.OFF:
         for c in largest_first:
-            hidden, delay = _exposed([*chosen, c], pair, rates)
+            hidden, delay = _exposed([*chosen, c], pair, rates, chained=chained)
             if hidden and delay == 0.0:
                 chosen.append(c)
     if mode is OffloadMode.BUDGET:
@@ -214,7 +255,7 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
                 chosen.append(c)
                 kept -= c.nbytes
     chosen.sort(key=lambda c: c.produced)
-    hidden, delay = _exposed(chosen, pair, rates)
+    hidden, delay = _exposed(chosen, pair, rates, chained=chained)
     released = _to_host(chosen, pair, rates)
     offloaded = sum(c.nbytes for c in chosen)
     return OffloadPlan(
