@@ -34,12 +34,24 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def fraction(text: str) -> float:
-    """A number in [0, 1] (activation budgets)."""
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 (rates)."""
+    value = _float(text)
+    if not value > 0.0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value:g}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1] (activation budgets)."""
+    value = _float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value:g}")
     return value
