@@ -368,8 +368,8 @@ def _start_deferred(scopes: Sequence[dict]) -> None:
 def _await_kernels(scopes: Sequence[dict], kernels: dict[int, object] | None = None,
                    futures: list[object] | None = None) -> None:
     """Each scope's kernel futures replaced by their kernels, as inductor's wait does, its deferred
-    kernels started first (``_start_deferred``). A future shared by several scopes is awaited once (``kernels``, by its id, kept valid
-    by ``futures``: both may carry over from an earlier call)."""
+    kernels started first (``_start_deferred``). A future shared by several scopes is awaited once
+    (``kernels``, by its id, kept valid by ``futures``: both may carry over from an earlier call)."""
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import CodeCacheFuture
 

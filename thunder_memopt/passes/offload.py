@@ -190,32 +190,26 @@ def _exposed(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates, *, c
              ) -> tuple[bool, float]:
     """(every copy to the host ends within the forward, seconds the backward waits for reloads).
 
-    Alone, a backward starts its first reload at its top and each next one before the first reader
-    of the one before. ``chained`` (``_is_chained``): the backward runs after the backwards of
-    programs like it, and the executor starts each reload as the reload before it is asked for,
-    across programs (``executors.offload.next_to_prefetch``), so the first reload starts during the
-    backward before. That is simulated over ``_CHAINED_BACKWARDS`` backwards in a row, the last
-    one's wait counted: reloads that take longer than a backward pile up and show there."""
+    The backward asks for its first reload at its top and for each next one before the first
+    reader of the one before; the executor starts each reload when the one before it is asked for
+    (a prefetch), the first at the top. ``chained`` (``_is_chained``): the backward runs after the
+    backwards of programs like it, and the prefetch crosses programs
+    (``executors.offload.next_to_prefetch``), so the first reload starts during the backward
+    before. That is simulated over ``_CHAINED_BACKWARDS`` backwards in a row, the last one's wait
+    counted: reloads that take longer than a backward pile up and show there."""
     hidden = all(end <= pair.forward_times[-1] for _, end in _to_host_ends(chosen, pair, rates))
     times = pair.backward_times
     by_use = sorted(chosen, key=lambda c: c.first_read)
-    if not chained:
-        end = delay = 0.0
+    end = delay = started = waited = 0.0
+    for backward in range(_CHAINED_BACKWARDS if chained else 1):
+        top, waited = backward * times[-1], 0.0
         for j, c in enumerate(by_use):
-            issued = 0.0 if j == 0 else times[by_use[j - 1].first_read] + delay
-            end = max(end, issued) + c.nbytes / rates.to_device
-            delay += max(0.0, end - (times[c.first_read] + delay))
-        return hidden, delay
-    end = delay = issued = 0.0
-    for round_ in range(_CHAINED_BACKWARDS):
-        start, waited = round_ * times[-1], 0.0
-        for j, c in enumerate(by_use):
-            # Asked for at the top, or before the first reader of the one before; started when the
-            # one before it was asked for (the first of all: at the first top).
-            asked = start + (0.0 if j == 0 else times[by_use[j - 1].first_read]) + delay
-            end = max(end, issued) + c.nbytes / rates.to_device
-            issued = asked
-            wait = max(0.0, end - (start + times[c.first_read] + delay))
+            asked = top + (0.0 if j == 0 else times[by_use[j - 1].first_read]) + delay
+            # Started when the one before was asked for (in a chain, this backward's first during
+            # the backward before; the very first at the top, 0).
+            end = max(end, started) + c.nbytes / rates.to_device
+            started = asked
+            wait = max(0.0, end - (top + times[c.first_read] + delay))
             delay += wait
             waited += wait
     return hidden, waited
