@@ -451,7 +451,10 @@ def test_executors_leave_fusion_to_nvfuser_where_it_is_a_default(monkeypatch):
     fake_nvfuser = FusionExecutor("nvfuser")
     defaults = list(thunder.get_default_executors())
     assert executors()[:3] == [linear_cross_entropy_ex, cudnn_attention_ex, fusion_ex]
-    assert executors(fusion=False, cudnn_attention=False) == defaults
+    # One switch: without fusion, neither cuDNN attention nor the loss head (another kernel, another
+    # order of sums than plain Thunder's); each can still be asked for.
+    assert executors(fusion=False) == defaults
+    assert executors(fusion=False, cudnn_attention=True) == [cudnn_attention_ex, *defaults]
     monkeypatch.setattr(thunder, "get_default_executors", lambda: [fake_nvfuser, *defaults])
     # nvFuser fuses what the fusion executor would; the loss head is another matter, and stays.
     chosen = executors()

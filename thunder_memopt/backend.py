@@ -25,7 +25,7 @@ def thunderfx_backend(
     memory_optimization: MemoryOptimization | None = None,
     *,
     fusion: bool = True,
-    cudnn_attention: bool = True,
+    cudnn_attention: bool | None = None,
     loss_head: bool | None = None,
     **thunder_options: Any,
 ):

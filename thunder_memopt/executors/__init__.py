@@ -49,17 +49,20 @@ thunder.extend.register_executor(fusion_ex)
 _NVFUSER = "nvfuser"
 
 
-def executors(*, fusion: bool = True, cudnn_attention: bool = True, loss_head: bool | None = None) -> list[Executor]:
+def executors(*, fusion: bool = True, cudnn_attention: bool | None = None,
+              loss_head: bool | None = None) -> list[Executor]:
     """Thunder's default executors with thunder_memopt's in front.
 
     Args:
         fusion: the inductor fusion executor. False restores Thunder's own execution of every op, and
             with it bit-identity with plain Thunder.
-        cudnn_attention: cuDNN attention where it serves the inputs (else Thunder's sdpa executor).
+        cudnn_attention: cuDNN attention where it serves the inputs (else Thunder's sdpa executor,
+            flash). Another kernel than plain Thunder's, so None (the default) follows ``fusion``.
         loss_head: the fused linear + cross-entropy head (with MemoryOptimization). It sums in a
             different order than the unfused loss, so None (the default) follows ``fusion``.
     """
     loss_head = fusion if loss_head is None else loss_head
+    cudnn_attention = fusion if cudnn_attention is None else cudnn_attention
     for name, value in (("fusion", fusion), ("cudnn_attention", cudnn_attention), ("loss_head", loss_head)):
         if not isinstance(value, bool):
             raise TypeError(f"thunder_memopt.executors: {name} must be True or False, got {value!r}")
