@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.fsdp2 import backends, driver, search
-from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation, Measurement, Numerics,
-                                    Sharding, Trial, Workload)
+from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation, Measurement,
+                                    Numerics, Sharding, Trial, Workload)
 from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_int
 from thunder_memopt.models import DTYPES, narrow_config
 from thunder_memopt.transform import PASSES

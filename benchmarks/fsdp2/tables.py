@@ -34,8 +34,8 @@ from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, S
 CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
                  "shard_mode", "autocast", "loss_mode", "optimizer", "world_size", "gpu")
 SETTING_NAMES = {"model": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=", "micro_batch_size": "B=",
-                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "loss_mode": "loss=", "optimizer": "AdamW ", "world_size": "ranks=", "gpu": "",
-                 "block_size": "T="}
+                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "loss_mode": "loss=",
+                 "optimizer": "AdamW ", "world_size": "ranks=", "gpu": "", "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
 MB = 10**6  # memory per token is in decimal megabytes, as the issues quote it
