@@ -280,6 +280,7 @@ def test_optimizer_flag_picks_adamws_implementation_and_both_take_the_same_step(
     import torch
 
     from benchmarks.fsdp2.cli import parse_args, resolve_defaults, trial_template
+    from thunder_memopt.models import training_step
 
     def trial_of(argv: list[str]) -> Trial:
         args, parser = parse_args(argv)
@@ -295,8 +296,6 @@ def test_optimizer_flag_picks_adamws_implementation_and_both_take_the_same_step(
                                   world_size=1, optimizer=optimizer)
         session = worker.TrainingSession(trial, torch.device("cpu"), rank=0)
         assert session.optimizer.defaults[optimizer] is True
-        from thunder_memopt.models import training_step
-
         training_step(session.training.loss, session.optimizer, session.input_ids, session.targets)
         weights[optimizer] = [p.detach().float().clone() for p in session.training.parameters_owner.parameters()]
     for a, b in zip(weights["foreach"], weights["fused"]):

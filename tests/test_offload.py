@@ -58,9 +58,10 @@ def test_a_backward_after_another_like_it_finds_its_first_reload_started_there()
     read_first = offload_pass._Candidate("a", nbytes=6, produced=0, last_read=0, first_read=1)
     assert offload_pass._exposed([read_first], pair, rates) == (True, 5.0)
     assert offload_pass._exposed([read_first], pair, rates, chained=True) == (True, 0.0)
-    too_long = offload_pass._Candidate("a", nbytes=9, produced=0, last_read=0, first_read=1)
-    read_later = offload_pass._Candidate("b", nbytes=3, produced=0, last_read=0, first_read=1)
-    _, waited = offload_pass._exposed([too_long, read_later], pair, rates, chained=True)
+    # 12 s of reloads in each 10 s backward.
+    large = offload_pass._Candidate("a", nbytes=9, produced=0, last_read=0, first_read=1)
+    small = offload_pass._Candidate("b", nbytes=3, produced=0, last_read=0, first_read=1)
+    _, waited = offload_pass._exposed([large, small], pair, rates, chained=True)
     assert waited > 0.0
 
 
