@@ -199,12 +199,13 @@ def compile_ahead(traces: Sequence[TraceCtx]) -> int:
 
     Compiled one at a time at their first calls, each region waits for inductor's workers to compile
     its Triton kernels, and in a first step that is half of the compilation time. Here each region
-    is lowered while the workers compile the kernels of the regions before it, and the kernels are
-    awaited once, at the end. While the pool is still starting (it takes seconds, and the first
-    step's compilation starts a few seconds after it is asked for), the kernels are left to that
-    end too, rather than compiled in this process one after another during lowering. A region
-    whose inputs come with other strides than the model foresees is compiled for them at its first
-    call, as without this."""
+    is lowered while the workers compile the kernels of the regions before it, and each region
+    waits for its own kernels only at its first run (``_PendingKernels``), so that the backward's
+    compile while the forward runs. While the pool is still starting (it takes seconds, and the
+    first step's compilation starts a few seconds after it is asked for), the kernels of the
+    regions lowered meanwhile are started at the end of the batch, rather than compiled in this
+    process one after another during lowering. A region whose inputs come with other strides than
+    the model foresees is compiled for them at its first call, as without this."""
     pending = [[(b, fn) for b in trace.bound_symbols
                 if b.sym.is_fusion and isinstance(b.sym.executor, InductorFusionExecutor)
                 for fn in b._call_ctx.values() if isinstance(fn, _CompiledRegion) and fn.seconds is None]
