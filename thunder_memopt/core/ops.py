@@ -81,7 +81,7 @@ VIEWS = frozenset({  # move no data
     "expand", "unsqueeze", "permute", "split", "chunk", "view", "view_as", "flatten", "movedim",
     "__getitem__", "getitem", "unbind",
 })
-COPIES = frozenset({"cat", "stack", "pad", "flip", "contiguous", "clone"})
+COPIES = frozenset({"cat", "stack", "pad", "flip", "contiguous", "stride_order", "clone"})
 CREATION = frozenset({"iota", "full", "full_like", "zeros", "zeros_like", "ones", "ones_like", "arange"})
 NORM_REDUCTIONS = frozenset({"var_mean", "sum", "amax", "amin", "mean", "var"})
 SOFTMAX_AND_LOSS = frozenset({

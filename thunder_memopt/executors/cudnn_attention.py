@@ -94,16 +94,28 @@ cudnn_sdpa_bwd = cudnn_attention_ex.register_operator(
 )
 
 
+def _tokens_major(t: TensorProxy) -> TensorProxy:
+    """``t``, (B, H, T, D), with its elements stored in (B, T, H, D) order, as a projection makes
+    them. cuDNN writes the output in the query's order (pytorch#138354), so the model's
+    ``transpose(1, 2).reshape(B, T, H * D)`` of the output is then a view, not a copy, and the
+    output's gradient arrives in the output's own order, which cuDNN's backward reads as it is
+    (``_backward_impl``). The copy is made by the fusion region that makes the query (the rotary
+    embedding's concatenation), in place of the contiguous (B, H, T, D) one it would write."""
+    return ltorch.transpose(ltorch.contiguous(ltorch.transpose(t, 1, 2)), 1, 2)
+
+
 def _execution(query: Proxy, key: Proxy, value: Proxy, attn_mask=None, dropout_p: float = 0.0,
                is_causal: bool = False, *, scale: float | None = None):
-    out, _, _, _ = cudnn_sdpa_fwd(query, key, value, is_causal, scale)
+    out, _, _, _ = cudnn_sdpa_fwd(_tokens_major(query), key, value, is_causal, scale)
     return out
 
 
 def _grad(query: Proxy, key: Proxy, value: Proxy, attn_mask=None, dropout_p: float = 0.0,
           is_causal: bool = False, *, scale: float | None = None):
-    out, lse, seed, offset = cudnn_sdpa_fwd(query, key, value, is_causal, scale)
-    grads = cudnn_sdpa_bwd(get_grad(out), query, key, value, out, lse, seed, offset, is_causal, scale)
+    # The same values as the query, so its gradient is the query's.
+    tokens_major = _tokens_major(query)
+    out, lse, seed, offset = cudnn_sdpa_fwd(tokens_major, key, value, is_causal, scale)
+    grads = cudnn_sdpa_bwd(get_grad(out), tokens_major, key, value, out, lse, seed, offset, is_causal, scale)
     put_grads((query, key, value), grads)
     return out
 
