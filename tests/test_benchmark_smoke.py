@@ -20,7 +20,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPOSITORY / "benchmarks"
 sys.path.insert(0, str(REPOSITORY))
 
-from benchmarks.fsdp2 import driver, search, tables, worker  # noqa: E402
+from benchmarks.fsdp2 import driver, profiling, search, tables, worker  # noqa: E402
 from benchmarks.fsdp2.trial import (  # noqa: E402
     HOST_MEMORY_FIELDS, LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload,
     load_rows)
@@ -448,6 +448,14 @@ def test_profile_rows_get_a_kernel_table_per_step():
     assert section.startswith("Profile: thunder, T=128, 2026-11-30T06:55: 20 ms per step, GPU busy 97%")
     kernel_line = section.splitlines()[-1]
     assert kernel_line.endswith("| 30.0 | 264 |") and len(kernel_line) < 120
+
+
+def test_copies_between_host_and_device_are_a_kernel_class_of_their_own():
+    """Offload's copies, under the profiler's names for them, apart from ATen's copy kernels."""
+    by_class = profiling.gpu_ms_by_class([("Memcpy DtoH (Device -> Pinned)", 2000.0),
+                                          ("Memcpy HtoD (Pinned -> Device)", 1000.0),
+                                          ("void at::native::direct_copy_kernel_cuda", 500.0)])
+    assert by_class["host copies"] == 3.0 and by_class["copy"] == 0.5 and by_class["other"] == 0.0
 
 
 def test_the_backends_come_from_the_registry():

@@ -41,6 +41,9 @@ def test_the_plan_offloads_what_hides_behind_compute_at_the_stated_rates():
     assert _plan(OffloadMode.AUTO, SLOW).offloaded == ()
     assert _plan(OffloadMode.OFF, FAST).offloaded == ()
     assert not everything.to_host_hidden and everything.exposed_seconds > 0.0
+    # The plan says what it was made for: the rates, and its copies' end against the forward's compute.
+    assert hidden.rates == FAST and 0.0 < hidden.to_host_end_seconds <= hidden.forward_seconds
+    assert everything.to_host_end_seconds > everything.forward_seconds
     # What is offloaded plus what is kept is what the forward saves.
     saved = saved_for_backward(_budget_zero_step().forward_trace).activation_bytes
     assert everything.offloaded_bytes + everything.kept_bytes == saved
@@ -217,3 +220,49 @@ def test_the_prefetch_takes_the_latest_forward_calls_first_reload():
     assert next_to_prefetch(offloaded, "cuda:0") == 0
     assert next_to_prefetch(offloaded, "cuda:1") is None
     assert next_to_prefetch({0: _Offloaded(weakref.ref(torch.zeros(1)), "cuda:0", 3, 0)}, "cuda:0") is None  # dead
+
+
+def test_waits_are_timed_by_kind_and_only_within_the_block(monkeypatch):
+    """Each wait of a compute stream for a copy is bracketed by two timing events, whose interval
+    ``waits_timed`` sums by kind when its block ends; outside it a wait records nothing. (CUDA's
+    streams and events stood in for by fakes on a clock: each wait takes 2 ms here.)"""
+    from thunder_memopt.executors import offload as offload_executor
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    class Stream:
+        def wait_event(self, event):
+            clock[0] += 2.0
+
+    monkeypatch.setattr(offload_executor.torch.cuda, "Event", Event)
+    offload_executor._wait(Stream(), Event(), "reload")  # outside: not timed
+    with offload_executor.waits_timed() as waited:
+        for kind in ("to_host", "reload", "reload"):
+            offload_executor._wait(Stream(), Event(), kind)
+    assert waited == {"to_host": 2.0, "reload": 4.0}
+    assert offload_executor._timed_waits is None
+
+
+def test_a_row_records_what_each_offload_plan_was_made_for():
+    """The benchmark's row: bytes summed over the plans, the rates, and each plan's copies on its clock."""
+    from benchmarks.fsdp2.worker import offload_fields
+
+    plan = _plan(OffloadMode.AUTO, FAST)
+    fields = offload_fields([plan, plan])
+    assert fields["offloaded_bytes"] == 2 * plan.offloaded_bytes and fields["offload_to_host_gbps"] == 50.0
+    assert fields["offload_plans"][0] == {
+        "offloaded_bytes": plan.offloaded_bytes, "forward_ms": 1e3 * plan.forward_seconds,
+        "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds}

@@ -33,6 +33,8 @@ KERNEL_CLASSES = (
     ("fused (Triton)", ("triton_",)),
     ("copy", (COPY_KERNEL,)),
     ("optimizer", ("multi_tensor_apply",)),
+    # The profiler's names of copies between pinned host memory and the device (offload's).
+    ("host copies", ("memcpy dtoh", "memcpy htod")),
 )
 
 

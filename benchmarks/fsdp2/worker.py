@@ -26,6 +26,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,8 @@ from benchmarks.fsdp2.backends import BACKENDS
 from benchmarks.fsdp2.trial import MemoryPeaks, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, build_model, narrow_config, next_token_loss, random_batch,
                                    training_step)
+from thunder_memopt.executors import offload as offload_executor
+from thunder_memopt.passes.offload import OffloadPlan
 
 # Small, so that a handful of steps moves every backend's weights alike and the losses stay comparable.
 LEARNING_RATE = 1e-4
@@ -262,7 +265,8 @@ class TrainingSession:
         snapshot = measurement.memory_snapshot if self.rank == 0 else None
         step_seconds = []
         with (profiling.recording_memory_history(snapshot, device),
-              profiling.profiler_for(measurement.profile, device) as profiler):
+              profiling.profiler_for(measurement.profile, device) as profiler,
+              offload_executor.waits_timed() as offload_waits):
             for _ in range(measurement.iters):
                 loss, seconds = timed(step, device)
                 step_seconds.append(seconds)
@@ -273,6 +277,10 @@ class TrainingSession:
                           compile_s=first_step_s - median_s, loss=loss.item())
         result = {**dataclasses.asdict(memory_peaks(device)),
                   "reservable_bytes": reservable_bytes(device), **dataclasses.asdict(times)}
+        memopt = self.training.memopt
+        if memopt is not None and memopt.offload_plans:
+            # Per step, how long the compute stream stood still for offload's copies (CUDA only).
+            result["offload_wait_ms"] = {kind: ms / measurement.iters for kind, ms in offload_waits.items()}
         if profiler is not None:
             profiling.print_table(profiler, device)
             result["profile"] = profiling.profile_summary(profiler, sum(step_seconds))
@@ -361,6 +369,21 @@ def recording_memopt_warnings() -> list[str]:
     return messages
 
 
+def offload_fields(plans: list[OffloadPlan]) -> dict[str, Any]:
+    """A row's fields for the offload plans of its compiled pairs: bytes summed over the plans, the
+    rates they were made for, and each plan's model of its copies, to hold against a --profile row's."""
+    return {
+        "offloaded_bytes": sum(plan.offloaded_bytes for plan in plans),
+        "offload_kept_bytes": sum(plan.kept_bytes for plan in plans),
+        "offload_exposed_ms": 1e3 * sum(plan.exposed_seconds for plan in plans),
+        "offload_to_host_gbps": plans[0].rates.to_host / 1e9,
+        "offload_to_device_gbps": plans[0].rates.to_device / 1e9,
+        "offload_plans": [{"offloaded_bytes": plan.offloaded_bytes, "forward_ms": 1e3 * plan.forward_seconds,
+                           "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds}
+                          for plan in plans],
+    }
+
+
 def run(trial_file: Path) -> int:
     """Run the trial in ``trial_file``; rank 0 writes result.json next to it, failing ranks rank<N>.json."""
     trial = Trial.from_fields(json.loads(trial_file.read_text()))
@@ -375,10 +398,7 @@ def run(trial_file: Path) -> int:
         result["memopt_warnings"] = memopt_warnings
         result["memopt_pass_s"] = training.memopt.pass_seconds
         if training.memopt.offload_plans:
-            plans = training.memopt.offload_plans
-            result["offloaded_bytes"] = sum(plan.offloaded_bytes for plan in plans)
-            result["offload_kept_bytes"] = sum(plan.kept_bytes for plan in plans)
-            result["offload_exposed_ms"] = 1e3 * sum(plan.exposed_seconds for plan in plans)
+            result.update(offload_fields(training.memopt.offload_plans))
     if training.executors is not None:
         result["executors"] = [ex.name for ex in training.executors]
     if "fusion" in BACKENDS[trial.compilation.backend].own_fields:  # runs thunder_memopt's executors

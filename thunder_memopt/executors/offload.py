@@ -22,6 +22,9 @@ in the backward, for the offload pass (thunder_memopt.passes.offload).
   first thing (each Block's under FSDP2) finds it on its way, started during the previous
   program's backward.
 
+``waits_timed()`` times, on CUDA, how long the compute streams stand still in those two waits:
+what the cost model says is hidden, measured.
+
 A tensor moves with its very strides: the span of storage its elements lie in is copied, so the
 backward's kernels meet the layout the forward made, and an expanded tensor moves only what it
 expands. Pinned buffers come from torch's caching host allocator (``pin_memory=True``), a pool that reuses
@@ -36,7 +39,7 @@ import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -46,7 +49,8 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import HOST_MEMORY
 
-__all__ = ["offload_ex", "offload", "offload_wait", "reload", "wait_reload", "host_copy_proxy", "next_to_prefetch"]
+__all__ = ["offload_ex", "offload", "offload_wait", "reload", "wait_reload", "host_copy_proxy", "next_to_prefetch",
+           "waits_timed", "WAIT_KINDS"]
 
 offload_ex = OperatorExecutor("memopt_offload")
 register_executor(offload_ex)
@@ -73,6 +77,42 @@ _group = 0
 # The reload started ahead of its call (by the host copy's id): the copy's weak reference, which
 # tells a live copy from a new one at a reused id, the reloaded tensor and its event.
 _prefetched: dict[int, tuple[weakref.ref, torch.Tensor, torch.cuda.Event]] = {}
+
+
+# What a compute stream waits for: copies to the host (memopt_offload_wait) and reloads (memopt_wait_reload).
+WAIT_KINDS = ("to_host", "reload")
+# Within ``waits_timed``: each wait as (kind, an event recorded before it, one after it).
+_timed_waits: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+
+
+@contextlib.contextmanager
+def waits_timed() -> Iterator[dict[str, float]]:
+    """Time the compute streams' waits for offload's copies within the block: the yielded dict gets,
+    when the block ends, the milliseconds spent in each of ``WAIT_KINDS`` (after waiting for the
+    device to reach the last wait). Each wait is bracketed by two timing events on its stream, whose
+    interval is how long the stream stood still."""
+    global _timed_waits
+    waited = dict.fromkeys(WAIT_KINDS, 0.0)
+    _timed_waits = []
+    try:
+        yield waited
+    finally:
+        timed, _timed_waits = _timed_waits, None
+        for kind, before, after in timed:
+            after.synchronize()
+            waited[kind] += before.elapsed_time(after)
+
+
+def _wait(stream: torch.cuda.Stream, copied: torch.cuda.Event, kind: str) -> None:
+    """``stream`` waits for ``copied``, timed within ``waits_timed``."""
+    if _timed_waits is None:
+        stream.wait_event(copied)
+        return
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record(stream)
+    stream.wait_event(copied)
+    after.record(stream)
+    _timed_waits.append((kind, before, after))
 
 
 @functools.cache
@@ -134,7 +174,7 @@ def _offload_wait_impl(host: torch.Tensor) -> None:
     copying = _copying.pop(id(host), None)
     if copying is not None:
         copied, source = copying
-        torch.cuda.current_stream(source.device).wait_event(copied)
+        _wait(torch.cuda.current_stream(source.device), copied, "to_host")
 
 
 def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
@@ -203,7 +243,7 @@ def _wait_meta(t: TensorProxy) -> TensorProxy:
 def _wait_impl(t: torch.Tensor) -> torch.Tensor:
     copied = _reloading.pop(id(t), None)
     if copied is not None:
-        torch.cuda.current_stream(t.device).wait_event(copied)
+        _wait(torch.cuda.current_stream(t.device), copied, "reload")
     return t
 
 

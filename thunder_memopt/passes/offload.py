@@ -86,6 +86,11 @@ class OffloadPlan:
     # The backward's wait for reloads beyond its compute (in the steady state of a chain of
     # backwards where the pair's is chained: ``_exposed``).
     exposed_seconds: float
+    # What the plan was made for, to hold against a profile of the step: the device's rates, the
+    # forward's compute on their roofline, and when its last copy to the host ends on that clock.
+    rates: DeviceRates
+    forward_seconds: float
+    to_host_end_seconds: float
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,9 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
         kept_bytes=activation_bytes - offloaded,
         to_host_hidden=hidden,
         exposed_seconds=delay,
+        rates=rates,
+        forward_seconds=pair.forward_times[-1],
+        to_host_end_seconds=max((end for _, end in _to_host_ends(chosen, pair, rates)), default=0.0),
     )
 
 
