@@ -34,6 +34,10 @@
 #                   the same two lengths and model: inductor against thunder+memopt-offload at budget 1.0 (offload
 #                   of what the plan finds hidden, the plan modeling the prefetch across Blocks; a file of its own,
 #                   since --resume would take the rows of the plan before it; issue 16's budget-1.0 memory per token)
+#   sc32-offload1-profile
+#                   one GPU, FSDP2 with one rank, stablecode 32 layers, T=16384: thunder+memopt against
+#                   thunder+memopt-offload, both at budget 1.0, with --profile: the copies' times (kernel class
+#                   "host copies") against what the plan expected (the rows' offload_plans)
 #   sc32-long       one GPU, FSDP2 with one rank, stablecode 32 layers, T=131072: eager-ac against
 #                   thunder+memopt-offload at budget 0.0, one warm-up and two measured steps each
 #   llama3-8b-fused one GPU, FSDP2 with one rank, Llama-3-8B, 4 layers, T=8192, AdamW fused (--optimizer fused:
@@ -134,6 +138,11 @@ case "$GROUP" in
             --block-size 8192 16384 --shard-mode zero2 --loss-mode in-graph \
             --compile inductor thunder+memopt-offload --offload-budget 1.0 \
             --out "$OUT/stablecode_32l_zero2_1xH200_per_token_offload1_chained_plan.jsonl" ;;
+    sc32-offload1-profile)
+        CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
+            --block-size 16384 --shard-mode zero2 --loss-mode in-graph --profile \
+            --compile thunder+memopt thunder+memopt-offload --memopt-budget 1.0 --offload-budget 1.0 \
+            --out "$OUT/stablecode_32l_zero2_1xH200_T16384_offload1_profile.jsonl" ;;
     sc32-long)
         # One long run in one invocation: full checkpointing against the offload setting at T=131072.
         CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
