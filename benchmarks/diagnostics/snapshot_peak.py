@@ -112,7 +112,10 @@ def main() -> None:
     parser.add_argument("--top", type=positive_int, default=12, help="places to list by bytes alive at the peak")
     args = parser.parse_args()
     for path in args.snapshots:
-        print(report(path, args.top))
+        try:
+            print(report(path, args.top))
+        except (OSError, pickle.UnpicklingError, EOFError, KeyError, IndexError, TypeError) as error:
+            parser.error(f"{path} is not a readable --memory-snapshot file: {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":
