@@ -266,7 +266,7 @@ class TrainingSession:
         step_seconds = []
         with (profiling.recording_memory_history(snapshot, device),
               profiling.profiler_for(measurement.profile, device) as profiler,
-              offload_executor.waits_timed() as offload_waits):
+              offload_executor.activity_recorded() as offload_activity):
             for _ in range(measurement.iters):
                 loss, seconds = timed(step, device)
                 step_seconds.append(seconds)
@@ -279,8 +279,11 @@ class TrainingSession:
                   "reservable_bytes": reservable_bytes(device), **dataclasses.asdict(times)}
         memopt = self.training.memopt
         if memopt is not None and memopt.offload_plans:
-            # Per step, how long the compute stream stood still for offload's copies (CUDA only).
-            result["offload_wait_ms"] = {kind: ms / measurement.iters for kind, ms in offload_waits.items()}
+            # Per step: how long the compute stream stood still for offload's copies (CUDA only), and
+            # how many reloads a prefetch had started before they were asked for.
+            result["offload_wait_ms"] = {kind: ms / measurement.iters for kind, ms in offload_activity.wait_ms.items()}
+            result["offload_reloads"] = offload_activity.reloads / measurement.iters
+            result["offload_reloads_prefetched"] = offload_activity.prefetched / measurement.iters
         if profiler is not None:
             profiling.print_table(profiler, device)
             result["profile"] = profiling.profile_summary(profiler, sum(step_seconds))

@@ -22,15 +22,20 @@ in the backward, for the offload pass (thunder_memopt.passes.offload).
   first thing (each Block's under FSDP2) finds it on its way, started during the previous
   program's backward.
 
-``waits_timed()`` times, on CUDA, how long the compute streams stand still in those two waits:
-what the cost model says is hidden, measured.
+``activity_recorded()`` counts the reloads and those a prefetch had started, and times, on CUDA, how
+long the compute streams stand still in those two waits: what the cost model says is hidden, measured.
+
+The bookkeeping knows a host copy by its Python object (weakly referenced), which the backward
+receives unchanged only if it is not a view: Thunder's autograd function detaches saved views, so
+copies are made as tensors of their own over the storage they fill.
 
 A tensor moves with its very strides: the span of storage its elements lie in is copied, so the
 backward's kernels meet the layout the forward made, and an expanded tensor moves only what it
 expands. Pinned buffers come from torch's caching host allocator (``pin_memory=True``), a pool that reuses
 freed blocks once the copies recorded on them have finished; allocating pinned memory anew would
-synchronize the device. On a CPU the ops copy to a second CPU buffer, which stands in for the host
-in tests: the values take the same round trip, so offloaded steps equal unoffloaded ones bit for bit.
+synchronize the device. On a CPU the ops copy at once to a second CPU buffer, which stands in for the
+host in tests, with the same groups and prefetches: the values take the same round trip, so
+offloaded steps equal unoffloaded ones bit for bit.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import functools
 import itertools
 import weakref
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -50,7 +56,7 @@ from thunder.extend import OperatorExecutor, register_executor
 from thunder_memopt.core.memory import HOST_MEMORY
 
 __all__ = ["offload_ex", "offload", "offload_wait", "reload", "wait_reload", "host_copy_proxy", "next_to_prefetch",
-           "waits_timed", "WAIT_KINDS"]
+           "activity_recorded", "OffloadActivity", "WAIT_KINDS"]
 
 offload_ex = OperatorExecutor("memopt_offload")
 register_executor(offload_ex)
@@ -81,31 +87,45 @@ _prefetched: dict[int, tuple[weakref.ref, torch.Tensor, torch.cuda.Event]] = {}
 
 # What a compute stream waits for: copies to the host (memopt_offload_wait) and reloads (memopt_wait_reload).
 WAIT_KINDS = ("to_host", "reload")
-# Within ``waits_timed``: each wait as (kind, an event recorded before it, one after it).
-_timed_waits: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+
+
+@dataclass
+class OffloadActivity:
+    """What offload's ops did within ``activity_recorded()``, filled in as they run; the waits' times
+    when the block ends."""
+
+    reloads: int = 0
+    prefetched: int = 0  # reloads whose copy a prefetch had started before they were asked for
+    # Milliseconds the compute streams stood still, by ``WAIT_KINDS`` (CUDA only: 0 on a CPU).
+    wait_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAIT_KINDS, 0.0))
+
+
+# Within ``activity_recorded``: what it yields, and each wait as (kind, an event before it, one after it).
+_activity: OffloadActivity | None = None
+_timed_waits: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
 
 @contextlib.contextmanager
-def waits_timed() -> Iterator[dict[str, float]]:
-    """Time the compute streams' waits for offload's copies within the block: the yielded dict gets,
-    when the block ends, the milliseconds spent in each of ``WAIT_KINDS`` (after waiting for the
-    device to reach the last wait). Each wait is bracketed by two timing events on its stream, whose
-    interval is how long the stream stood still."""
-    global _timed_waits
-    waited = dict.fromkeys(WAIT_KINDS, 0.0)
-    _timed_waits = []
+def activity_recorded() -> Iterator[OffloadActivity]:
+    """Count the reloads within the block, and time each wait of a compute stream for a copy with two
+    timing events on its stream, whose interval is how long the stream stood still; the waits' sums
+    by kind are added when the block ends (after waiting for the device to reach the last wait)."""
+    global _activity
+    activity = _activity = OffloadActivity()
+    _timed_waits.clear()
     try:
-        yield waited
+        yield activity
     finally:
-        timed, _timed_waits = _timed_waits, None
-        for kind, before, after in timed:
+        _activity = None
+        for kind, before, after in _timed_waits:
             after.synchronize()
-            waited[kind] += before.elapsed_time(after)
+            activity.wait_ms[kind] += before.elapsed_time(after)
+        _timed_waits.clear()
 
 
 def _wait(stream: torch.cuda.Stream, copied: torch.cuda.Event, kind: str) -> None:
-    """``stream`` waits for ``copied``, timed within ``waits_timed``."""
-    if _timed_waits is None:
+    """``stream`` waits for ``copied``, timed within ``activity_recorded``."""
+    if _activity is None:
         stream.wait_event(copied)
         return
     before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -131,7 +151,8 @@ def _moved(t: torch.Tensor, device: torch.device | str, stream: torch.cuda.Strea
     """``t`` on ``device`` with its very strides, its span of storage copied (on ``stream`` if given,
     into pinned memory if to the host): kernels of the backward meet the layout the forward made, and
     an expanded tensor moves its small storage, not its expansion. The first element keeps its
-    alignment to the allocator's 512 bytes, which some kernels choose by."""
+    alignment to the allocator's 512 bytes, which some kernels choose by. The result is no view (see
+    the module docstring): a tensor of its own over the filled storage."""
     offset, extent = _span(t)
     lead = (offset * t.element_size() % 512) // t.element_size()
     pinned = torch.device(device).type == "cpu" and t.is_cuda
@@ -139,7 +160,7 @@ def _moved(t: torch.Tensor, device: torch.device | str, stream: torch.cuda.Strea
     source = t.as_strided((extent,), (1,), offset)
     with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
         flat[lead:].copy_(source, non_blocking=stream is not None)
-    return flat.as_strided(t.shape, t.stride(), lead)
+    return torch.empty(0, dtype=t.dtype, device=device).set_(flat.untyped_storage(), lead, t.shape, t.stride())
 
 
 def host_copy_proxy(t: TensorProxy) -> TensorProxy:
@@ -156,12 +177,11 @@ def _offload_meta(t: TensorProxy, reload_rank: int, opens_group: bool) -> Tensor
 
 def _offload_impl(t: torch.Tensor, reload_rank: int, opens_group: bool) -> torch.Tensor:
     global _group
-    if t.device.type != "cuda":
-        return _moved(t, "cpu", None)
     if opens_group:
         _group = next(_groups)
-    host, copied = _copy_on_side_stream(t, "cpu", t.device)
-    _copying[id(host)] = (copied, t)
+    host, copied = _copied(t, "cpu", t.device)
+    if copied is not None:
+        _copying[id(host)] = (copied, t)
     _offloaded[id(host)] = _Offloaded(weakref.ref(host), str(t.device), _group, reload_rank)
     return host
 
@@ -181,14 +201,16 @@ def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
     return TensorProxy(like=host, device=devices.to_device(device), requires_grad=False)
 
 
-def _copy_on_side_stream(t: torch.Tensor, to: torch.device | str, gpu: torch.device
-                         ) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """``_moved(t, to)`` on ``gpu``'s side stream, and the event that marks its end. The side stream
-    first waits for the current one: a copy to the host waits for its source to be made, a reload
-    for its block, allocated on the current stream, to be free of the work queued there before.
-    Copies to and from the host run in order on the one side stream, so a reload follows its copy
-    to the host."""
-    side = _side_stream(gpu)
+def _copied(t: torch.Tensor, to: torch.device | str, device: torch.device
+            ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``_moved(t, to)``, and the event that marks its end. Where ``device`` (the GPU of the copy) is
+    a CPU, the copy is made at once (no event). On a GPU it runs on the side stream, which first
+    waits for the current one: a copy to the host waits for its source to be made, a reload for its
+    block, allocated on the current stream, to be free of the work queued there before. Copies to
+    and from the host run in order on the one side stream, so a reload follows its copy to the host."""
+    if device.type != "cuda":
+        return _moved(t, to, None), None
+    side = _side_stream(device)
     side.wait_stream(torch.cuda.current_stream(gpu))
     moved = _moved(t, to, side)
     copied = torch.cuda.Event()
@@ -197,15 +219,18 @@ def _copy_on_side_stream(t: torch.Tensor, to: torch.device | str, gpu: torch.dev
 
 
 def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
-    if torch.device(device).type != "cuda":
-        return _moved(host, device, None)
     _offloaded.pop(id(host), None)
     prefetched = _prefetched.pop(id(host), None)
-    if prefetched is not None and prefetched[0]() is host:
+    hit = prefetched is not None and prefetched[0]() is host
+    if hit:
         _, t, copied = prefetched
     else:
-        t, copied = _copy_on_side_stream(host, device, torch.device(device))
-    _reloading[id(t)] = copied
+        t, copied = _copied(host, device, torch.device(device))
+    if copied is not None:
+        _reloading[id(t)] = copied
+    if _activity is not None:
+        _activity.reloads += 1
+        _activity.prefetched += hit
     _prefetch_next(device)
     return t
 
@@ -221,7 +246,7 @@ def _prefetch_next(device: str) -> None:
     key = None if _prefetched else next_to_prefetch(_offloaded, device)
     if key is not None:
         entry = _offloaded[key]
-        _prefetched[key] = (entry.ref, *_copy_on_side_stream(entry.ref(), device, torch.device(device)))
+        _prefetched[key] = (entry.ref, *_copied(entry.ref(), device, torch.device(device)))
 
 
 def next_to_prefetch(offloaded: Mapping[int, _Offloaded], device: str) -> int | None:
