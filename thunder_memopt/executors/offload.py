@@ -211,7 +211,7 @@ def _copied(t: torch.Tensor, to: torch.device | str, device: torch.device
     if device.type != "cuda":
         return _moved(t, to, None), None
     side = _side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(gpu))
+    side.wait_stream(torch.cuda.current_stream(device))
     moved = _moved(t, to, side)
     copied = torch.cuda.Event()
     copied.record(side)
