@@ -36,6 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
         ({"offload": "sometimes"}, ValueError, "offload"),
         ({"offload": True}, ValueError, "offload"),
         ({"offload_rates": 50e9}, TypeError, "offload_rates"),
+        ({"offload": "budget", "offload_budget": 1.5}, ValueError, "offload_budget"),
+        ({"offload": "budget", "offload_budget": "half"}, TypeError, "offload_budget"),
+        ({"offload": "auto", "offload_budget": 0.5}, ValueError, "offload_budget applies to offload='budget'"),
+        ({"offload_budget": 0.5}, ValueError, "offload_budget applies to offload='budget'"),
     ],
 )
 def test_memory_optimization_rejects_bad_options_naming_them(kwargs, error, named):

@@ -103,6 +103,37 @@ def test_the_forward_lets_each_source_go_after_its_last_reader():
         assert after >= max(readers, default=-1), name
 
 
+def test_a_copy_that_would_end_after_the_forward_is_released_to_it_not_waited_for():
+    """Copies the budget forces that outlast the forward do not stall it: each tensor is released to
+    its copy right after its last forward reader. Copies that hide are waited for where they end."""
+    step = _budget_zero_step()
+    forced = _plan(OffloadMode.BUDGET, SLOW)
+    assert forced.spilled == forced.offloaded
+    computing = [b for b in step.forward_trace.bound_symbols if not offload_pass.is_bookkeeping(b)]
+    for name, after in zip(forced.offloaded, forced.released_after):
+        readers = [i for i, b in enumerate(computing) if any(getattr(a, "name", None) == name for a in b.flat_proxy_args)]
+        produced = [i for i, b in enumerate(computing) if name in {o.name for o in offload_pass.tensor_outs(b)}]
+        assert after == max(readers + produced, default=-1), name
+    assert _plan(OffloadMode.AUTO, FAST).spilled == ()
+
+
+def test_offload_budget_sets_what_stays_on_the_device_apart_from_recompute(every_tensor_offloadable):
+    """activation_budget=1.0 with offload_budget=0.0: recompute as at 1.0 (the same saved set), and
+    every candidate copied to the host, where the copies do not hide (a million times slower than
+    compute); without offload_budget the budget 1.0 keeps them all. Numerics as at budget 1.0."""
+    plain = shared_train_step(STABLECODE, {"activation_budget": 1.0})
+    kept_all = MemoryOptimization(activation_budget=1.0, offload="budget", offload_rates=SLOW)
+    train_step(STABLECODE, [kept_all])
+    memopt = MemoryOptimization(activation_budget=1.0, offload="budget", offload_budget=0.0, offload_rates=SLOW)
+    step = train_step(STABLECODE, [memopt])
+    assert_same_numerics(plain, step)
+    assert [plan.offloaded for plan in kept_all.offload_plans] == [()]
+    (plan,) = memopt.offload_plans
+    assert plan.offloaded and plan.spilled == plan.offloaded
+    assert plan.offloaded_bytes + plan.kept_bytes == saved_for_backward(plain.forward_trace).activation_bytes
+    assert "offload_budget=0.0" in repr(memopt)
+
+
 @pytest.fixture
 def every_tensor_offloadable(monkeypatch):
     monkeypatch.setattr(offload_pass, "MIN_BYTES", 1)
@@ -120,7 +151,9 @@ def test_offloaded_steps_are_bit_identical_and_keep_only_host_copies_of_what_the
     (plan,) = memopt.offload_plans
     names = lambda trace, op: [b for b in trace.bound_symbols if b.sym.name == op]  # noqa: E731
     copies = names(step.forward_trace, "memopt_offload")
-    assert len(copies) == len(plan.offloaded) == len(names(step.forward_trace, "memopt_offload_wait"))
+    releases = names(step.forward_trace, "memopt_offload_release")
+    assert len(copies) == len(plan.offloaded) == len(names(step.forward_trace, "memopt_offload_wait")) + len(releases)
+    assert len(releases) == len(plan.spilled)
     assert len(names(step.backward_trace, "memopt_reload")) == len(names(step.backward_trace, "memopt_wait_reload"))
     assert all(HOST_MEMORY in b.output.tags for b in copies)
     # Reloaded tensors are predicted with the strides their sources had in the forward, for which
@@ -294,4 +327,5 @@ def test_a_row_records_what_each_offload_plan_was_made_for():
     assert fields["offloaded_bytes"] == 2 * plan.offloaded_bytes and fields["offload_to_host_gbps"] == 50.0
     assert fields["offload_plans"][0] == {
         "offloaded_bytes": plan.offloaded_bytes, "forward_ms": 1e3 * plan.forward_seconds,
-        "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds}
+        "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds,
+        "spilled": len(plan.spilled)}

@@ -81,6 +81,14 @@ _T = TypeVar("_T")
 
 PASSES = ("loss_head", "recompute", "collectives", "schedule")
 
+def _check_fraction(name: str, value: object) -> None:
+    """A budget must be a real number in [0, 1]: a TypeError or ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number in [0, 1], got {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
 class MemoryOptimization(Transform):
     """Lower the activation memory of Thunder training steps.
 
@@ -97,8 +105,12 @@ class MemoryOptimization(Transform):
         offload: copy saved tensors to pinned host memory in the forward and back in the backward
             (thunder_memopt.passes.offload), on CUDA: "off"; "auto", only the copies that the cost
             model finds hidden behind compute; "budget", also enough of the rest, largest first,
-            that at most ``activation_budget`` of the saved bytes stay on the GPU. With offload the
+            that at most ``offload_budget`` of the saved bytes stay on the GPU. With offload the
             fused loss head recomputes its logits in the backward at any budget (memory first).
+        offload_budget: in [0, 1], with ``offload="budget"``: the share of the saved bytes that may
+            stay on the GPU; None takes ``activation_budget``. Apart from it, recompute and offload
+            divide the work: ``activation_budget=1.0, offload_budget=0.5`` recomputes only cheap ops
+            and copies to the host what it must for half the saved bytes to leave the GPU.
         offload_rates: the device rates the offload plan is made for; None measures them once on
             the GPU (``core.cost.measure_rates``). Given, offload also runs on a CPU, copying to a
             second CPU buffer (for tests).
@@ -116,12 +128,10 @@ class MemoryOptimization(Transform):
         prefetch: int = 2,
         zero3: bool | None = None,
         offload: str = "off",
+        offload_budget: float | None = None,
         offload_rates: DeviceRates | None = None,
     ) -> None:
-        if isinstance(activation_budget, bool) or not isinstance(activation_budget, numbers.Real):
-            raise TypeError(f"activation_budget must be a number in [0, 1], got {activation_budget!r}")
-        if not 0.0 <= float(activation_budget) <= 1.0:
-            raise ValueError(f"activation_budget must be in [0, 1], got {activation_budget}")
+        _check_fraction("activation_budget", activation_budget)
         if isinstance(passes, str) or not isinstance(passes, Iterable):
             raise TypeError(f"passes must be a sequence of pass names from {list(PASSES)}, got {passes!r}")
         passes = tuple(passes)
@@ -132,6 +142,10 @@ class MemoryOptimization(Transform):
         modes = [m.value for m in offload_module.OffloadMode]
         if offload not in modes:
             raise ValueError(f"offload must be one of {modes}, got {offload!r}")
+        if offload_budget is not None:
+            _check_fraction("offload_budget", offload_budget)
+            if offload != offload_module.OffloadMode.BUDGET.value:
+                raise ValueError(f"offload_budget applies to offload='budget', got offload={offload!r}")
         if offload_rates is not None and not isinstance(offload_rates, DeviceRates):
             raise TypeError(f"offload_rates must be a thunder_memopt.core.cost.DeviceRates, got {offload_rates!r}")
         unknown = [p for p in passes if p not in PASSES]
@@ -140,9 +154,10 @@ class MemoryOptimization(Transform):
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
         self.offload = offload_module.OffloadMode(offload)
+        self.offload_budget = self.activation_budget if offload_budget is None else float(offload_budget)
         self.offload_rates = offload_rates
         self._schedule = ScheduleStage()
-        self._offload = OffloadStage(self.offload, self.activation_budget, offload_rates)
+        self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
         # The stages of each pass on the post-optimization traces, in the order of PASSES.
         stages_of = {
             "recompute": (RecomputeStage(self.activation_budget), FusionStage()),
@@ -169,7 +184,7 @@ class MemoryOptimization(Transform):
     def __repr__(self) -> str:
         return (
             f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
-            f"offload={self.offload.value!r})"
+            f"offload={self.offload.value!r}, offload_budget={self.offload_budget})"
         )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):

@@ -382,7 +382,8 @@ def offload_fields(plans: list[OffloadPlan]) -> dict[str, Any]:
         "offload_to_host_gbps": plans[0].rates.to_host / 1e9,
         "offload_to_device_gbps": plans[0].rates.to_device / 1e9,
         "offload_plans": [{"offloaded_bytes": plan.offloaded_bytes, "forward_ms": 1e3 * plan.forward_seconds,
-                           "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds}
+                           "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds,
+                           "spilled": len(plan.spilled)}
                           for plan in plans],
     }
 

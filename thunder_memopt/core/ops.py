@@ -64,7 +64,8 @@ COLLECTIVE_NAMES = frozenset({
     "synchronize_tensor_parallel_input", "synchronize_tensor_parallel_output",
 })
 # thunder_memopt's copies of saved tensors to the host and back (executors/offload.py).
-OFFLOAD_NAMES = frozenset({"memopt_offload", "memopt_offload_wait", "memopt_reload", "memopt_wait_reload"})
+OFFLOAD_NAMES = frozenset({"memopt_offload", "memopt_offload_wait", "memopt_offload_release", "memopt_reload",
+                           "memopt_wait_reload"})
 # In-place ops and ops that act on the host or on streams.
 SIDE_EFFECT_NAMES = frozenset({"copy_", "copy_with_setitem", "print", "item", "put_grad", "sink"}) | OFFLOAD_NAMES
 

@@ -11,6 +11,11 @@ in the backward, for the offload pass (thunder_memopt.passes.offload).
   ended would hold every source of a forward into its backward; ``record_stream`` would hold the
   block until all the side stream had queued by then had run. The pass places it where the copy
   should have ended, after the tensor's last forward reader.
+- ``memopt_offload_release(host)``: for a copy that is not expected to end within the forward (one
+  that offload="budget" must take): no wait; the tensor's block is given back to the allocator for
+  reuse once the side stream has run its copy (``record_stream``), so the compute stream never
+  stands still for it and the copies queue on into the next program's forward. The pass places it
+  after the tensor's last forward reader.
 - ``memopt_reload(host, device) -> t``: allocates ``t`` on the current stream and fills it from
   ``host`` on the side stream, which first waits for the current stream, so that the block is no
   longer read by anything queued before. It returns at once: the copy overlaps what the current
@@ -55,7 +60,7 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import HOST_MEMORY
 
-__all__ = ["offload_ex", "offload", "offload_wait", "reload", "wait_reload", "host_copy_proxy", "next_to_prefetch",
+__all__ = ["offload_ex", "offload", "offload_wait", "offload_release", "reload", "wait_reload", "host_copy_proxy", "next_to_prefetch",
            "activity_recorded", "OffloadActivity", "WAIT_KINDS"]
 
 offload_ex = OperatorExecutor("memopt_offload")
@@ -197,6 +202,13 @@ def _offload_wait_impl(host: torch.Tensor) -> None:
         _wait(torch.cuda.current_stream(source.device), copied, "to_host")
 
 
+def _offload_release_impl(host: torch.Tensor) -> None:
+    copying = _copying.pop(id(host), None)
+    if copying is not None:
+        _, source = copying
+        source.record_stream(_side_stream(source.device))
+
+
 def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
     return TensorProxy(like=host, device=devices.to_device(device), requires_grad=False)
 
@@ -277,5 +289,7 @@ _TAGS = (prims.OpTags.DONT_DCE,)
 offload = offload_ex.register_operator("memopt_offload", meta=_offload_meta, fn=_offload_impl, tags=_TAGS)
 offload_wait = offload_ex.register_operator("memopt_offload_wait", meta=_offload_wait_meta, fn=_offload_wait_impl,
                                             tags=_TAGS)
+offload_release = offload_ex.register_operator("memopt_offload_release", meta=_offload_wait_meta,
+                                               fn=_offload_release_impl, tags=_TAGS)
 reload = offload_ex.register_operator("memopt_reload", meta=_reload_meta, fn=_reload_impl, tags=_TAGS)
 wait_reload = offload_ex.register_operator("memopt_wait_reload", meta=_wait_meta, fn=_wait_impl, tags=_TAGS)

@@ -9,7 +9,11 @@ final forward and backward of a pair and, for each saved tensor it offloads (exe
   returns the host copy as the saved tensor. Where the cost model expects the copy to have ended,
   and not before the tensor's last forward reader, the forward's stream waits for the copy and
   lets the GPU tensor go (``memopt_offload_wait``): its block is free from there, for the kernels
-  that follow on that stream;
+  that follow on that stream. A copy expected to end only after the forward (one that
+  ``budget`` mode must take) is not waited for: after the last reader its block goes back to the
+  allocator once the copy has run (``memopt_offload_release``), and the copies queue on into what
+  runs next (under FSDP2, the next Block's forward) rather than stall this one. The memory model
+  frees it at its last reader, earlier than the device does;
 - the backward receives the host copy, starts its reload one reload ahead, before the first
   reader of the previous reloaded tensor (the first one at the top), and waits for it just before
   its own first reader. Reloads run in the order the backward reads them.
@@ -56,7 +60,14 @@ from thunder_memopt.core.trace import (
     tensor_outs,
     trace_inputs,
 )
-from thunder_memopt.executors.offload import host_copy_proxy, offload, offload_wait, reload, wait_reload
+from thunder_memopt.executors.offload import (
+    host_copy_proxy,
+    offload,
+    offload_release,
+    offload_wait,
+    reload,
+    wait_reload,
+)
 
 __all__ = ["OffloadMode", "OffloadPlan", "plan_offload", "apply_offload", "MIN_BYTES"]
 
@@ -78,8 +89,10 @@ class OffloadPlan:
 
     offloaded: tuple[str, ...]  # saved tensors, in forward order
     # For each: the index, among the forward's computing symbols, after which its stream waits for
-    # the copy and frees the tensor (-1: before the first).
+    # the copy and frees the tensor (-1: before the first), or, if spilled, releases it to the copy.
     released_after: tuple[int, ...]
+    # Those whose copies are expected to end after the forward: released without a wait.
+    spilled: tuple[str, ...]
     offloaded_bytes: int
     kept_bytes: int  # saved activation bytes that stay on the GPU
     to_host_hidden: bool  # every copy to the host ends before the forward does
@@ -182,13 +195,18 @@ def _to_host_ends(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates)
     return ends
 
 
-def _to_host(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> dict[str, int]:
-    """Where the forward waits for each copy: after the first computing symbol, from the last
-    reader on, by whose end the copy has ended; after the last symbol if none."""
-    times = pair.forward_times
-    return {c.name: next((i for i in range(max(c.last_read, 0), len(pair.forward)) if times[i + 1] >= end),
-                         len(pair.forward) - 1)
-            for c, end in _to_host_ends(chosen, pair, rates)}
+def _to_host(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> tuple[dict[str, int], set[str]]:
+    """Where the forward lets each tensor go, and which copies spill past its end. A copy that ends
+    within the forward is waited for after the first computing symbol, from the last reader on, by
+    whose end it has ended; a spilling one is released to its copy right after the last reader."""
+    times, where, spilled = pair.forward_times, {}, set()
+    for c, end in _to_host_ends(chosen, pair, rates):
+        if end > times[-1]:
+            spilled.add(c.name)
+            where[c.name] = c.last_read
+        else:
+            where[c.name] = next(i for i in range(max(c.last_read, 0), len(pair.forward)) if times[i + 1] >= end)
+    return where, spilled
 
 
 def _exposed(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates, *, chained: bool = False
@@ -255,11 +273,12 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
                 kept -= c.nbytes
     chosen.sort(key=lambda c: c.produced)
     hidden, delay = _exposed(chosen, pair, rates, chained=chained)
-    released = _to_host(chosen, pair, rates)
+    released, spilled = _to_host(chosen, pair, rates)
     offloaded = sum(c.nbytes for c in chosen)
     return OffloadPlan(
         offloaded=tuple(c.name for c in chosen),
         released_after=tuple(released[c.name] for c in chosen),
+        spilled=tuple(c.name for c in chosen if c.name in spilled),
         offloaded_bytes=offloaded,
         kept_bytes=activation_bytes - offloaded,
         to_host_hidden=hidden,
@@ -272,7 +291,7 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
 
 def apply_offload(forward: TraceCtx, backward: TraceCtx, plan: OffloadPlan) -> tuple[TraceCtx, TraceCtx]:
     """The pair with ``plan``'s tensors offloaded: the forward copies each to the host after its
-    producer, waits for the copy where the plan says and saves the copy; the backward reloads it
+    producer, waits for the copy (or releases a spilled one to it) where the plan says and saves the copy; the backward reloads it
     (one reload ahead) and waits for it before its first reader."""
     if TraceTag.BACKWARD not in backward.tags:
         raise ValueError("apply_offload needs a forward and its backward trace")
@@ -300,7 +319,8 @@ def _offloading_forward(forward: TraceCtx, plan: OffloadPlan, by_name: dict[str,
         # The plan's order is the order the copies run in: its first opens the call's group.
         copies = {n: offload.bind(by_name[n], rank[n], n == plan.offloaded[0], output=host[n])
                   for n in plan.offloaded}
-        releases = {n: offload_wait.bind(host[n], output=None) for n in plan.offloaded}
+        releases = {n: (offload_release if n in plan.spilled else offload_wait).bind(host[n], output=None)
+                    for n in plan.offloaded}
     computing = [b for b in fw.bound_symbols if not is_bookkeeping(b)]
     produced = {o.name for b in computing for o in tensor_outs(b)}
     after: dict[int, list[BoundSymbol]] = {}  # by id of a computing symbol
