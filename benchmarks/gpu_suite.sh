@@ -44,6 +44,10 @@
 #                   no foreach temporary under every backend's peak): inductor, inductor-budget at 0.5,
 #                   thunder+memopt at 1.0 and thunder+memopt-offload at 1.0, with an allocator snapshot per row
 #                   in LOG_DIR (or OUT_DIR) to show where each peak is (issue 16's Llama criterion)
+#   llama3-8b-offload-keep
+#                   the same model and setup: inductor, thunder+memopt at 1.0 and thunder+memopt-offload at budget
+#                   1.0 with offload budgets (--offload-keep) 0.5 and 0.25, which take the MLP fc outputs that do not
+#                   hide, with an allocator snapshot per row (issue 16's Llama criterion with recompute at 1.0)
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -154,6 +158,12 @@ case "$GROUP" in
             --optimizer fused --compile inductor inductor-budget thunder+memopt thunder+memopt-offload \
             --memopt-budget 1.0 --offload-budget 1.0 --memory-snapshot "${LOG_DIR:-$OUT}/llama3_8b_fused_snapshots" \
             --out "$OUT/llama3_8b_4l_zero2_1xH200_T8192_fused_adamw.jsonl" ;;
+    llama3-8b-offload-keep)
+        CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name Llama-3-8B --n-layer 4 --block-size 8192 --shard-mode zero2 \
+            --optimizer fused --compile inductor thunder+memopt thunder+memopt-offload \
+            --memopt-budget 1.0 --offload-budget 1.0 --offload-keep 0.5 0.25 \
+            --memory-snapshot "${LOG_DIR:-$OUT}/llama3_8b_offload_keep_snapshots" \
+            --out "$OUT/llama3_8b_4l_zero2_1xH200_T8192_fused_adamw_offload_keep.jsonl" ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

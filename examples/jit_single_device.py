@@ -3,6 +3,7 @@ a GPU or, without one, on CPU (where the fusion executor, CUDA's, claims nothing
 
     python examples/jit_single_device.py --model-name pythia-160m --n-layer 4 --steps 5
     python examples/jit_single_device.py --budget 0.0 --offload budget   # long context: saved tensors to the host
+    python examples/jit_single_device.py --offload budget --offload-budget 0.5   # no more recompute, half offloaded
 """
 
 import argparse
@@ -25,7 +26,12 @@ def main() -> None:
     p.add_argument("--budget", type=fraction, default=1.0, help="activation_budget in [0, 1]")
     p.add_argument("--offload", choices=["off", "auto", "budget"], default="off",
                    help="MemoryOptimization(offload=...): saved tensors to pinned host memory (CUDA only)")
+    p.add_argument("--offload-budget", type=fraction, default=None,
+                   help="MemoryOptimization(offload_budget=...) with --offload budget: the share of saved bytes "
+                        "left on the GPU (default: --budget)")
     args = p.parse_args()
+    if args.offload_budget is not None and args.offload != "budget":
+        p.error("--offload-budget applies to --offload budget")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
@@ -33,7 +39,7 @@ def main() -> None:
     # On CPU the model is narrowed to width 256 so that it runs anywhere.
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=None if on_gpu else 256, block_size=block_size)
     model = build_model(cfg, device=device)
-    memopt = MemoryOptimization(activation_budget=args.budget, offload=args.offload)
+    memopt = MemoryOptimization(activation_budget=args.budget, offload=args.offload, offload_budget=args.offload_budget)
     jitted = thunder.jit(model, executors=executors(), transforms=[memopt])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 

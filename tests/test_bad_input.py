@@ -137,6 +137,8 @@ def test_an_unknown_model_name_suggests_close_names(capsys):
         (["--warmup", "0"], "--warmup"),
         (["--fusion", "maybe"], "--fusion"),
         (["--compile", "thunder+nothing"], "--compile"),
+        (["--offload-keep", "2"], "--offload-keep"),
+        (["--compile", "inductor", "--offload-keep", "0.5"], "--offload-keep applies to thunder+memopt-offload"),
     ],
 )
 def test_benchmark_flags_with_bad_values_fail_before_any_process_starts(argv, named, capsys):

@@ -476,6 +476,14 @@ def test_the_backends_come_from_the_registry():
         ("thunder", None), ("thunder+fusion", None), ("thunder+memopt", 1.0), ("thunder+memopt-offload", 0.0)]
     thunder_fsdp, _ = cli.parse_args(["--distributed-mode", "thunder-fsdp"])
     assert thunder_fsdp.compile == ["thunder", "thunder+fusion", "thunder+memopt", "thunder+memopt-offload"]
+    # --offload-keep: a row each for the backend that owns it, labelled with it.
+    args, _ = cli.parse_args(["--compile", "inductor", "thunder+memopt-offload", "--offload-budget", "1.0",
+                              "--offload-keep", "0.5", "0.25"])
+    args.resolved_n_embd, args.block_size = 128, [64]
+    trials = cli.backend_trials(args, cli.trial_template(args, world_size=1))
+    assert [(t.compilation.backend, t.compilation.offload_keep) for t in trials] == [
+        ("inductor", None), ("thunder+memopt-offload", 0.5), ("thunder+memopt-offload", 0.25)]
+    assert backends.label({**trials[1].key(), "backend": "thunder+memopt-offload"}) == "thunder+memopt-offload @1 [keep 0.5]"
 
 
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])

@@ -39,11 +39,15 @@ def main() -> None:
     parser.add_argument("--block-size", type=positive_int, default=16384, help="sequence length T")
     parser.add_argument("--offload", choices=("auto", "budget"), default="auto")
     parser.add_argument("--budget", type=fraction, default=1.0, help="MemoryOptimization's activation_budget")
+    parser.add_argument("--offload-budget", type=fraction,
+                        help="MemoryOptimization's offload_budget, with --offload budget (default: --budget)")
     parser.add_argument("--to-host-gbps", type=positive_float, default=50.0)
     parser.add_argument("--to-device-gbps", type=positive_float, default=50.0)
     parser.add_argument("--tflops", type=positive_float, default=700.0, help="a large bf16 matmul's rate")
     parser.add_argument("--memory-tbps", type=positive_float, default=4.0, help="device memory bandwidth")
     args = parser.parse_args()
+    if args.offload_budget is not None and args.offload != "budget":
+        parser.error("--offload-budget applies to --offload budget")
     rates = DeviceRates(to_host=args.to_host_gbps * 1e9, to_device=args.to_device_gbps * 1e9,
                         flops=args.tflops * 1e12, memory=args.memory_tbps * 1e12)
 
@@ -63,7 +67,8 @@ def main() -> None:
         return make_plan(forward, backward, **options)
 
     offload_pass.plan_offload = recorded_plan
-    memopt = MemoryOptimization(activation_budget=args.budget, offload=args.offload, offload_rates=rates)
+    keep = {} if args.offload_budget is None else {"offload_budget": args.offload_budget}
+    memopt = MemoryOptimization(activation_budget=args.budget, offload=args.offload, offload_rates=rates, **keep)
     jitted = thunder.jit(block, transforms=[memopt],
                          executors=[linear_cross_entropy_ex, cudnn_attention_ex, fusion, *thunder.get_default_executors()])
     t = args.block_size
@@ -74,8 +79,9 @@ def main() -> None:
     except NotImplementedError:  # the first copy to the host, on meta: the plan is made by then
         pass
     (plan,) = memopt.offload_plans
-    print(f"{args.model_name} Block, T={t}, offload={args.offload!r} at budget {args.budget:g}: "
-          f"{len(plan.offloaded)} tensors offloaded, {plan.offloaded_bytes / MIB:.1f} MiB; "
+    print(f"{args.model_name} Block, T={t}, offload={args.offload!r} at budget {args.budget:g}, offload budget "
+          f"{memopt.offload_budget:g}: {len(plan.offloaded)} tensors offloaded, {plan.offloaded_bytes / MIB:.1f} MiB "
+          f"({len(plan.spilled)} spilled past the forward); "
           f"{plan.kept_bytes / MIB:.1f} MiB of saved activations kept on the device; "
           f"copies to the host hidden: {plan.to_host_hidden}; reload wait {plan.exposed_seconds * 1e3:.2f} ms")
     (forward, backward), = pairs
@@ -84,7 +90,8 @@ def main() -> None:
     candidates, activation_bytes = offload_pass._candidates(forward, pair, offload_pass.MIN_BYTES)
     print(f"forward {pair.forward_times[-1] * 1e3:.2f} ms, backward {pair.backward_times[-1] * 1e3:.2f} ms, "
           f"saved activations {activation_bytes / MIB:.1f} MiB, chained: {chained}")
-    print("| tensor | MiB | made at ms | copy ms | first backward read at ms | hides alone | reload wait alone ms | offloaded |")
+    print("| tensor | MiB | made at ms | copy ms | first backward read at ms | hides alone | reload wait alone ms | "
+          "offloaded |")
     print("|---|---|---|---|---|---|---|---|")
     for c in sorted(candidates, key=lambda c: c.produced):
         hidden, wait = offload_pass._exposed([c], pair, rates, chained=chained)

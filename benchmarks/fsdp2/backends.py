@@ -126,7 +126,8 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
         from thunder_memopt import MemoryOptimization
 
         passes = {} if options.memopt_passes is None else {"passes": options.memopt_passes}
-        memopt = MemoryOptimization(activation_budget=options.budget, offload=offload, **passes)
+        keep = {} if offload == "off" or options.offload_keep is None else {"offload_budget": options.offload_keep}
+        memopt = MemoryOptimization(activation_budget=options.budget, offload=offload, **passes, **keep)
     transforms = [memopt] if memopt is not None else []
     mode = trial.sharding.distributed_mode
     if mode == "fsdp2":
@@ -171,10 +172,11 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
             budgets=Budgets("--memopt-budget", (1.0,),
                             "MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")),
     Backend("thunder+memopt-offload", "the long-context setting: thunder+memopt with MemoryOptimization("
-                                      "activation_budget=--offload-budget, offload='budget'), which copies to "
-                                      "pinned host memory what the budget does not keep on the GPU; its loss head "
-                                      "recomputes the logits in the backward at any budget",
-            thunder=True, own_fields=("memopt_passes", "fusion"),
+                                      "activation_budget=--offload-budget, offload='budget', "
+                                      "offload_budget=--offload-keep), which copies to pinned host memory what the "
+                                      "budget does not keep on the GPU; its loss head recomputes the logits in the "
+                                      "backward at any budget",
+            thunder=True, own_fields=("memopt_passes", "fusion", "offload_keep"),
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True,
                                       offload="budget"),
             budgets=Budgets("--offload-budget", (0.0,),
@@ -208,7 +210,13 @@ def _passes(row: Mapping[str, Any]) -> str | None:
 
 
 # How each option shows in a label, where it is not the default (None: nothing to show).
-OPTION_TAGS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {"memopt_passes": _passes, "fusion": execution}
+def _keep(row: Mapping[str, Any]) -> str | None:
+    keep = row.get("offload_keep")
+    return None if keep is None else f"keep {keep:g}"
+
+
+OPTION_TAGS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {
+    "memopt_passes": _passes, "fusion": execution, "offload_keep": _keep}
 
 
 def tags(row: Mapping[str, Any]) -> tuple[str, ...]:

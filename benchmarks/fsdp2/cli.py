@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                                      default=list(backend.budgets.default), help=backend.budgets.help)
     compilation.add_argument("--memopt-passes", nargs="+", default=None, choices=PASSES,
                              help="MemoryOptimization(passes=...) for thunder+memopt (default: every pass)")
+    compilation.add_argument("--offload-keep", type=fraction, nargs="+", metavar="FRACTION",
+                             help="thunder+memopt-offload: MemoryOptimization(offload_budget=...), the share of the "
+                                  "saved bytes left on the GPU, apart from its budget (recompute's), a row each; "
+                                  "default: its budget")
     compilation.add_argument("--fusion", choices=sorted(backends.FUSION), default="on",
                              help="thunder+fusion and thunder+memopt: thunder_memopt.executors(fusion=...); off runs "
                                   "every op as plain Thunder does (bit-identical)")
@@ -116,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         args.compile = thunder_backends if args.distributed_mode == "thunder-fsdp" else list(backends.BACKENDS)
     if args.distributed_mode == "thunder-fsdp" and not set(args.compile) <= set(thunder_backends):
         parser.error("thunder-fsdp shards inside thunder.jit: only the thunder backends can run under it")
+    keeping = [b.name for b in backends.BACKENDS.values() if "offload_keep" in b.own_fields]
+    if args.offload_keep is not None and not set(keeping) & set(args.compile):
+        parser.error(f"--offload-keep applies to {', '.join(keeping)}, which --compile does not list")
     if args.autocast and DTYPES[args.dtype] != DTYPES["fp32"]:
         parser.error("--autocast casts to bf16 inside the step: keep the parameters in --dtype fp32")
     return args, parser
@@ -153,9 +160,13 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
 
 
 def backend_trials(args: argparse.Namespace, template: Trial) -> list[Trial]:
-    """``template`` for every backend on the command line and each of its budgets."""
-    return [template.replace(backend=name, budget=budget)
-            for name in args.compile for budget in backends.budgets_for(name, args)]
+    """``template`` for every backend on the command line, each of its budgets and, for a backend
+    that owns ``offload_keep``, each ``--offload-keep``."""
+    def keeps(name: str) -> list[float | None]:
+        return (args.offload_keep or [None]) if "offload_keep" in backends.BACKENDS[name].own_fields else [None]
+
+    return [template.replace(backend=name, budget=budget, offload_keep=keep)
+            for name in args.compile for budget in backends.budgets_for(name, args) for keep in keeps(name)]
 
 
 def snapshot_path(base: str | None, trial: Trial) -> str | None:
@@ -164,6 +175,8 @@ def snapshot_path(base: str | None, trial: Trial) -> str | None:
         return None
     path = Path(base)
     budget = "" if trial.compilation.budget is None else f"-{trial.compilation.budget:g}"
+    if trial.compilation.offload_keep is not None:
+        budget += f"-keep{trial.compilation.offload_keep:g}"
     name = f"{path.stem}.{trial.compilation.backend}{budget}.T{trial.workload.block_size}{path.suffix or '.pickle'}"
     return str(path.with_name(name))
 

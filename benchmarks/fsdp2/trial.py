@@ -78,6 +78,8 @@ class Compilation:
     budget: float | None = None  # the value of the backend's budget flag, for backends that have one
     memopt_passes: tuple[str, ...] | None = None  # thunder+memopt: MemoryOptimization(passes=...); None: all
     fusion: str = "on"  # thunder_memopt.executors(fusion=...): on or off (backends.FUSION)
+    # thunder+memopt-offload: MemoryOptimization(offload_budget=...); None: its budget.
+    offload_keep: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +163,8 @@ class Trial:
             options += f" passes={'+'.join(compilation.memopt_passes)}"
         if "fusion" in own and compilation.fusion != "on":
             options += f" fusion={compilation.fusion}"
+        if "offload_keep" in own and compilation.offload_keep is not None:
+            options += f" keep={compilation.offload_keep:g}"
         if numerics.autocast:
             options += " autocast"
         if numerics.loss_mode != "in-graph":
