@@ -28,7 +28,7 @@
 #   single-h200     one GPU, thunder.jit, 4 layers, T=8192: thunder, thunder+memopt, and recompute only
 #   sc32-per-token  one GPU, FSDP2 with one rank, stablecode 32 layers, zero2, in-graph loss, T=8192 and 16384
 #                   in one invocation: memory per token of eager-ac, inductor, inductor-budget at 0.0 and
-#                   thunder+memopt at 1.0 and 0.0, thunder+memopt-offload at 0.0 (issue 16's acceptance;
+#                   thunder+memopt at 1.0 and 0.0, thunder+memopt-offload at 0.0 and 1.0 (issue 16's acceptance;
 #                   several chunks of --time-limit)
 #   sc32-per-token-offload1
 #                   the same two lengths and model: inductor against thunder+memopt-offload at budget 1.0 (offload
@@ -135,7 +135,7 @@ case "$GROUP" in
         CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
             --block-size 8192 16384 --shard-mode zero2 --loss-mode in-graph \
             --compile eager-ac inductor inductor-budget thunder+memopt thunder+memopt-offload \
-            --inductor-budget 0.0 --memopt-budget 1.0 0.0 --offload-budget 0.0 \
+            --inductor-budget 0.0 --memopt-budget 1.0 0.0 --offload-budget 0.0 1.0 \
             --out "$OUT/stablecode_32l_zero2_1xH200_per_token.jsonl" ;;
     sc32-per-token-offload1)
         CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
