@@ -298,6 +298,28 @@ def test_waits_are_timed_by_kind_and_only_within_the_block(monkeypatch):
     assert offload_executor._activity is None and not offload_executor._timed_waits
 
 
+def test_a_spilled_copy_gives_its_source_to_the_side_stream_and_lets_it_go(monkeypatch):
+    """``memopt_offload_release``: no wait on the compute stream; the source is recorded on the side
+    stream (the allocator reuses its block once the copy has run) and the keepalive drops it. (The
+    side stream and the CUDA source stood in for by fakes.)"""
+    from thunder_memopt.executors import offload as offload_executor
+
+    recorded = []
+
+    class Source:
+        device = "cuda:0"
+
+        def record_stream(self, stream):
+            recorded.append(stream)
+
+    monkeypatch.setattr(offload_executor, "_side_stream", lambda device: f"side stream of {device}")
+    host = torch.zeros(1)
+    offload_executor._copying[id(host)] = ("copied event", Source())
+    offload_executor._offload_release_impl(host)
+    assert recorded == ["side stream of cuda:0"] and id(host) not in offload_executor._copying
+    offload_executor._offload_release_impl(torch.zeros(1))  # a CPU copy: nothing to release
+
+
 def test_every_reload_but_the_first_backwards_first_finds_its_copy_prefetched(every_tensor_offloadable):
     """The prefetch knows a host copy by its object: the one the forward made must reach the
     backward, though Thunder's autograd function detaches the views it saves. Two programs (as
