@@ -22,10 +22,10 @@ import torch
 from thunder.core.trace import TraceCtx
 
 from thunder_memopt.core.cost import DeviceRates, measure_rates
-from thunder_memopt.core.memory import backward_storages
+from thunder_memopt.core.memory import backward_storages, simulated_strides
 from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.fusion import InductorFusionExecutor
-from thunder_memopt.passes import collectives, recompute, schedule
+from thunder_memopt.passes import collectives, donate, recompute, schedule
 from thunder_memopt.passes import offload as offload_module
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "CollectivesStage",
     "ScheduleStage",
     "OffloadStage",
+    "DonationStage",
     "Phase",
     "may_fall_back",
     "fuse_forward",
@@ -95,7 +96,7 @@ class Stage:
     def runs_on_final(self, pair: Pair) -> bool:
         return False
 
-    def on_final(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+    def on_final(self, forward: TraceCtx, backward: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx]:
         """Both traces of a pair, once the other stages are done with them."""
         return forward, backward
 
@@ -234,12 +235,40 @@ class OffloadStage(Stage):
                           "pass offload_rates to plan and run it with CPU copies")
         return False
 
-    def on_final(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+    def on_final(self, forward: TraceCtx, backward: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx]:
         # Measured once, here, inside the guard: it allocates on the device.
         rates = self.rates or measure_rates(torch.device(_cuda_devices(forward)[0]))
         plan = offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates)
         forward, backward = offload_module.apply_offload(forward, backward, plan)
         self.plans.append(plan)
+        return forward, backward
+
+
+class DonationStage(Stage):
+    """``donate.donate_buffers`` on the final pair: the forward's regions, then the backward's, which
+    may also take the saved tensors that only the backward holds; ``donated`` counts the outputs."""
+
+    name = "donate"
+    kept = "every region output in memory of its own"
+
+    def __init__(self) -> None:
+        self.donated = 0
+
+    def runs_forward(self, pair: Pair) -> bool:
+        return False
+
+    def runs_backward(self, pair: Pair) -> bool:
+        return False
+
+    def runs_on_final(self, pair: Pair) -> bool:
+        return pair.fusion is not None
+
+    def on_final(self, forward: TraceCtx, backward: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx]:
+        forward, in_forward = donate.donate_buffers(forward, pair.fusion)
+        backward, in_backward = donate.donate_buffers(backward, pair.fusion,
+                                                      donatable_received=donate.donatable_saved(forward),
+                                                      received_strides=simulated_strides(forward))
+        self.donated += in_forward + in_backward
         return forward, backward
 
 

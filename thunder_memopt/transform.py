@@ -24,6 +24,9 @@ function, after its own optimization and ``del_last_used``. The other passes run
 4. ``offload`` (when the ``offload`` option is not "off"): once both traces of a pair are final,
    copy saved tensors to host memory in the forward and reload them in the backward
    (thunder_memopt.passes.offload); its plans are kept in ``offload_plans``.
+5. ``donate``: last, once both traces of a pair are final, each fusion region writes an output
+   into the memory of an input that dies there, a saved tensor that only the backward holds among
+   them (thunder_memopt.passes.donate); ``donated_outputs`` counts them.
 
 Once the backward's passes have run, both traces of the pair are final, and their fusion regions
 are compiled together, ahead of their first calls (thunder_memopt.executors.fusion.compile_ahead).
@@ -65,6 +68,7 @@ from thunder_memopt.passes import loss_head, schedule
 from thunder_memopt.passes import offload as offload_module
 from thunder_memopt.stages import (
     CollectivesStage,
+    DonationStage,
     FusionStage,
     OffloadStage,
     Pair,
@@ -79,7 +83,7 @@ __all__ = ["MemoryOptimization", "PASSES"]
 
 _T = TypeVar("_T")
 
-PASSES = ("loss_head", "recompute", "collectives", "schedule")
+PASSES = ("loss_head", "recompute", "collectives", "schedule", "donate")
 
 def _check_fraction(name: str, value: object) -> None:
     """A budget must be a real number in [0, 1]: a TypeError or ValueError naming it otherwise."""
@@ -158,6 +162,7 @@ class MemoryOptimization(Transform):
         self.offload_rates = offload_rates
         self._schedule = ScheduleStage()
         self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
+        self._donation = DonationStage()
         # The stages of each pass on the post-optimization traces, in the order of PASSES.
         stages_of = {
             "recompute": (RecomputeStage(self.activation_budget), FusionStage()),
@@ -167,6 +172,8 @@ class MemoryOptimization(Transform):
         self._stages = [s for p in self.passes for s in stages_of.get(p, ())]
         if self.offload is not offload_module.OffloadMode.OFF:
             self._stages.append(self._offload)
+        if "donate" in self.passes:  # last: it reads the saved set that offload leaves
+            self._stages.append(self._donation)
         self._pairs: dict[tuple[str, ...], Pair] = {}
         # Seconds spent in each pass over every trace this instance has seen (compile-time cost).
         self.pass_seconds: dict[str, float] = {}
@@ -175,6 +182,11 @@ class MemoryOptimization(Transform):
     def schedule_results(self) -> list[schedule.ScheduleResult]:
         """The schedule pass's results for the latest function: its forward's, then its backward's."""
         return self._schedule.results
+
+    @property
+    def donated_outputs(self) -> int:
+        """Region outputs the donate pass wrote into inputs that die there, over every pair."""
+        return self._donation.donated
 
     @property
     def offload_plans(self) -> list[offload_module.OffloadPlan]:
@@ -249,7 +261,7 @@ class MemoryOptimization(Transform):
     def _on_final(self, pair: Pair, backward: TraceCtx) -> TraceCtx:
         for stage in self._stages:
             if stage.runs_on_final(pair):
-                done = self._run(stage, pair, "final", lambda: stage.on_final(pair.returned, backward))
+                done = self._run(stage, pair, "final", lambda: stage.on_final(pair.returned, backward, pair))
                 if done is not None:
                     forward, backward = done
                     pair.replace_forward(forward)

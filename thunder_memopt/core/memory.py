@@ -243,6 +243,12 @@ def _region_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> tuple[
     local = ChainMap({}, strides)
     base_of = {a.name: a.name for a in tensor_args(bsym)}
     for sub in bsym.subsymbols:
+        if sub.sym.name in _INPLACE_TARGET:  # a donated buffer (passes/donate.py): its target's memory
+            target = sub.flat_proxy_args[_INPLACE_TARGET[sub.sym.name]]
+            for o in tensor_outs(sub):
+                local.maps[0][o.name] = local.get(target.name, contiguous_strides(target.shape))
+                base_of[o.name] = base_of.get(target.name, target.name)
+            continue
         views = view_strides(sub, local)
         sub_args = tensor_args(sub)
         for o in tensor_outs(sub):

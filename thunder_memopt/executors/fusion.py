@@ -512,14 +512,17 @@ class InductorFusionExecutor(TorchCompileExecutor):
         }
 
     def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
-        inputs = [unvariableify(x) for x in region.inputs]
-        outputs = [unvariableify(x) for x in region.outputs]
+        return self.region_symbol(list(region.bound_symbols), [unvariableify(x) for x in region.inputs],
+                                  [unvariableify(x) for x in region.outputs])
+
+    def region_symbol(self, bsyms: list[BoundSymbol], inputs: list[Proxy], outputs: list[Proxy]) -> BoundSymbol:
+        """The bound symbol of a region of ``bsyms``, compiled as one function of ``inputs``."""
         # Unique in the process, not per trace: the backward runs the forward's replay regions
         # beside its own, and a trace's call context is keyed by these names.
         name = f"MemoptFusion{next(_region_numbers)}"
-        fn = _compiled(list(region.bound_symbols), inputs, outputs)
+        fn = _compiled(bsyms, inputs, outputs)
         sym = Symbol(name, meta=functools.partial(_outputs_like, tuple(outputs)), is_fusion=True, executor=self)
-        return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(region.bound_symbols), _call_ctx={name: fn})
+        return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(bsyms), _call_ctx={name: fn})
 
     def fusion_pass(self, trace: TraceCtx, apart: Callable[[BoundSymbol], bool] | None = None,
                     keep_outputs: Callable[[list[BoundSymbol]], Sequence[Proxy]] | None = None) -> TraceCtx:

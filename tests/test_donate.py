@@ -1,0 +1,65 @@
+"""The donate pass (passes/donate.py) on CPU, with inductor's C++ code for the regions: regions of
+elementwise ops write outputs into inputs that die there. The step is bit for bit the one without
+it, the memory model counts each donated output as its input's storage, and only inputs that
+nothing reads afterwards and the trace does not return are taken."""
+
+import pytest
+import thunder
+from _train import assert_same_numerics, train_step
+from thunder.dev_utils.check_trace import check_trace
+
+from thunder_memopt import PASSES, MemoryOptimization
+from thunder_memopt.core.memory import estimate_step, storage_roots
+from thunder_memopt.core.trace import is_bookkeeping, tensor_args
+from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.passes import donate
+
+CPU_FUSION = InductorFusionExecutor("memopt_fusion_donate_cpu", devices=("cpu",))
+SHAPE = {"n_layer": 2, "seq_len": 128}
+
+
+def _step(model_name: str, passes):
+    memopt = MemoryOptimization(passes=passes)
+    return memopt, train_step(model_name, [memopt], executors=[CPU_FUSION, *thunder.get_default_executors()], **SHAPE)
+
+
+def _donations(trace):
+    """(index of the region, the region, its copy into a donated input) of each donated output."""
+    return [(i, b, sub) for i, b in enumerate(trace.bound_symbols) if CPU_FUSION.is_own_fusion(b)
+            for sub in b.subsymbols if sub.sym.name == "copy_"]
+
+
+@pytest.mark.parametrize("model_name", ["stablecode-completion-alpha-3b", "Llama-3-8B"])
+def test_donated_steps_are_bit_identical_and_write_only_into_inputs_that_die_there(model_name):
+    _, without = _step(model_name, [p for p in PASSES if p != "donate"])
+    memopt, step = _step(model_name, PASSES)
+    assert_same_numerics(without, step)
+    donations = _donations(step.forward_trace) + _donations(step.backward_trace)
+    assert donations and memopt.donated_outputs >= len(donations)
+    for trace in (step.forward_trace, step.backward_trace):
+        check_trace(trace)
+        infos = storage_roots(trace)
+        returned = {a.name for a in tensor_args(trace.bound_symbols[-1])}
+        for i, region, copy in _donations(trace):
+            _, target = copy.flat_proxy_args
+            assert target.name in {a.name for a in tensor_args(region)} and target.name not in returned
+            assert not any(target.name in {a.name for a in tensor_args(b)}
+                           for b in trace.bound_symbols[i + 1:] if not is_bookkeeping(b))
+            # The memory model: the output lives in the input's storage, no bytes of its own.
+            assert infos[copy.output.name].storage == target.name
+    # Region outputs that take no memory of their own never raise the estimated peak.
+    assert (estimate_step(step.forward_trace, step.backward_trace).peak_bytes
+            <= estimate_step(without.forward_trace, without.backward_trace).peak_bytes)
+
+
+def test_a_backward_donates_only_saved_tensors_that_its_forward_made_for_it_alone():
+    """Llama's SwiGLU gradient region takes saved MLP tensors. What the forward received or returns
+    to its caller is held elsewhere: never donated."""
+    _, step = _step("Llama-3-8B", PASSES)
+    taken = {copy.flat_proxy_args[1].name for _, _, copy in _donations(step.backward_trace)}
+    donatable = donate.donatable_saved(step.forward_trace)
+    assert taken & donatable
+    saved = {t.name for t in step.backward_trace.args[0][0]}
+    received = {t.name for t in thunder.core.pytree.tree_flatten(step.forward_trace.args)[0]
+                if hasattr(t, "name")}
+    assert donatable and donatable <= saved and not donatable & received

@@ -1,0 +1,123 @@
+"""Donated buffers: a fusion region writes an output into the memory of an input that dies there.
+
+A backward's saved tensors die one by one, most of them in a fusion region that reads them for the
+last time: SwiGLU's gradient reads the MLP's two fc outputs and writes two gradients of their size.
+Thunder allocates every region output anew, so at that region inputs and outputs are alive
+together; inductor's compiled backwards reuse such inputs ("donated buffers"). This pass ends each
+such region with ``copy_(output's value, input)``: inductor then stores the output straight into the
+input's memory (one kernel, no temporary), and the memory model counts the output as the input's
+storage (``core.memory``: a region's in-place copy returns its target). The values are the ones
+the region computed: numerics do not change.
+
+An input is donated only where the caller can hold no other reference to it: in a forward, a tensor
+the forward makes; in a backward, one it makes, or a saved tensor its forward made for the backward
+alone (not returned to the caller, not received, its storage's only tensor, saved once). It must be
+read by nothing after the region, not be returned, and be its storage's only tensor in the trace.
+It goes to an output of the same shape, dtype, device and simulated strides that is its own storage.
+Only regions of elementwise ops donate: there each element is read and written at one index, so
+a kernel that writes an input's memory never overwrites what it has still to read (reductions,
+views and broadcasts read at other indices; inductor's C++ backend also fails on some reductions
+that write their input, at least on torch 2.11).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Collection, Mapping
+
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, tracectx
+
+from thunder_memopt.core.memory import Strides, simulated_strides, storage_roots
+from thunder_memopt.core.ops import ELEMENTWISE, leaf_names
+from thunder_memopt.core.trace import (
+    forward_outputs,
+    is_bookkeeping,
+    replace_bound_symbols,
+    saved_proxies,
+    tensor_args,
+    tensor_outs,
+    trace_inputs,
+)
+
+__all__ = ["donatable_saved", "donate_buffers"]
+
+
+def donatable_saved(forward: TraceCtx) -> frozenset[str]:
+    """The saved tensors of an augmented forward that its backward may donate: made by the forward,
+    not returned to its caller, their storage's only tensor, saved once."""
+    saved, _ = saved_proxies(forward)
+    infos = storage_roots(forward)
+    owners = collections.Counter(info.storage for info in infos.values())
+    received = {t.name for t in trace_inputs(forward)}
+    outputs = set(forward_outputs(forward))
+    times_saved = collections.Counter(t.name for t in saved)
+    return frozenset(t.name for t in saved
+                     if t.name not in received and t.name not in outputs and times_saved[t.name] == 1
+                     and infos[t.name].storage == t.name and owners[t.name] == 1)
+
+
+def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[str] = (),
+                   received_strides: Mapping[str, Strides] | None = None) -> tuple[TraceCtx, int]:
+    """``trace`` with the regions of ``fusion`` (an ``InductorFusionExecutor``) writing outputs into
+    inputs that die there (see the module docstring), and how many outputs were donated a buffer.
+    ``donatable_received``: received tensors that may be donated (a backward's, ``donatable_saved``);
+    ``received_strides``: their strides, as ``simulated_strides`` takes them."""
+    bsyms = [b for b in trace.bound_symbols]
+    computing = [(i, b) for i, b in enumerate(bsyms) if not is_bookkeeping(b)]
+    last_read: dict[str, int] = {}
+    for i, b in computing:
+        for a in tensor_args(b):
+            last_read[a.name] = i
+    returned = {a.name for a in tensor_args(bsyms[-1])}
+    infos = storage_roots(trace)
+    owners = collections.Counter(info.storage for info in infos.values())
+    strides = simulated_strides(trace, received=received_strides)
+    made = {o.name for _, b in computing for o in tensor_outs(b)}
+    allowed = made | set(donatable_received)
+
+    def may_donate(t: TensorProxy, at: int) -> bool:
+        return (t.name in allowed and last_read.get(t.name) == at and t.name not in returned
+                and infos[t.name].storage == t.name and owners[t.name] == 1)
+
+    donated = 0
+    for i, b in computing:
+        if not fusion.is_own_fusion(b) or not set(leaf_names(b)) <= ELEMENTWISE:
+            continue
+        outs = [o for o in tensor_outs(b) if infos[o.name].storage == o.name and o.name not in
+                {a.name for a in tensor_args(b)}]
+        pairs: list[tuple[TensorProxy, TensorProxy]] = []
+        taken: set[str] = set()
+        for a in {a.name: a for a in tensor_args(b)}.values():
+            if not may_donate(a, i):
+                continue
+            o = next((o for o in outs if o.name not in taken and _same_layout(o, a, strides)), None)
+            if o is not None:
+                taken.add(o.name)
+                pairs.append((o, a))
+        if pairs:
+            bsyms[i] = _donating(trace, b, fusion, pairs)
+            donated += len(pairs)
+    if not donated:
+        return trace, 0
+    return replace_bound_symbols(trace, bsyms, f"thunder_memopt donate: {donated} region outputs written "
+                                 "into inputs that die there"), donated
+
+
+def _same_layout(o: TensorProxy, a: TensorProxy, strides: Mapping[str, Strides]) -> bool:
+    return (tuple(o.shape) == tuple(a.shape) and o.dtype == a.dtype and o.device == a.device
+            and strides.get(o.name) == strides.get(a.name))
+
+
+def _donating(trace: TraceCtx, region: BoundSymbol, fusion, pairs: list[tuple[TensorProxy, TensorProxy]]
+              ) -> BoundSymbol:
+    """``region`` computing each donated output under a new name, then copying it into its input,
+    the copy returning the output's name: the trace around it is unchanged."""
+    with tracectx(trace):
+        values = {o.name: TensorProxy(like=o) for o, _ in pairs}
+    swap = {variableify(o): values[o.name] for o, _ in pairs}
+    subsymbols = [s.from_bsym_swap_proxies(swap) for s in region.subsymbols]
+    copies = [prims.copy_.bind(values[o.name], a, grad_enabled=False, output=o) for o, a in pairs]
+    return fusion.region_symbol([*subsymbols, *copies], list(region.args), list(region.output))
