@@ -18,8 +18,8 @@ CPU_FUSION = InductorFusionExecutor("memopt_fusion_donate_cpu", devices=("cpu",)
 SHAPE = {"n_layer": 2, "seq_len": 128}
 
 
-def _step(model_name: str, passes):
-    memopt = MemoryOptimization(passes=passes)
+def _step(model_name: str, passes, **options):
+    memopt = MemoryOptimization(passes=passes, **options)
     return memopt, train_step(model_name, [memopt], executors=[CPU_FUSION, *thunder.get_default_executors()], **SHAPE)
 
 
@@ -63,3 +63,21 @@ def test_a_backward_donates_only_saved_tensors_that_its_forward_made_for_it_alon
     received = {t.name for t in thunder.core.pytree.tree_flatten(step.forward_trace.args)[0]
                 if hasattr(t, "name")}
     assert donatable and donatable <= saved and not donatable & received
+
+
+def test_what_a_copy_to_the_host_reads_is_never_donated(monkeypatch):
+    """A copy to the host runs on a side stream and may still read its tensor when a later region
+    runs: with offload, no donated input is one that is copied, and the step is still bit-identical."""
+    import thunder_memopt.passes.offload as offload_pass
+    from thunder_memopt.core.cost import DeviceRates
+
+    monkeypatch.setattr(offload_pass, "MIN_BYTES", 1)
+    rates = DeviceRates(to_host=1e18, to_device=1e18, flops=600e12, memory=4e12)  # every copy hides
+    options = {"offload": "auto", "offload_rates": rates}
+    _, without = _step("Llama-3-8B", [p for p in PASSES if p != "donate"], **options)
+    memopt, step = _step("Llama-3-8B", PASSES, **options)
+    assert_same_numerics(without, step)
+    assert any(plan.offloaded for plan in memopt.offload_plans)
+    copied = {a.name for b in step.forward_trace.bound_symbols if b.sym.name == "memopt_offload"
+              for a in tensor_args(b)}
+    assert copied and not copied & {copy.flat_proxy_args[1].name for _, _, copy in _donations(step.forward_trace)}

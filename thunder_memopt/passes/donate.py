@@ -12,7 +12,9 @@ the region computed: numerics do not change.
 An input is donated only where the caller can hold no other reference to it: in a forward, a tensor
 the forward makes; in a backward, one it makes, or a saved tensor its forward made for the backward
 alone (not returned to the caller, not received, its storage's only tensor, saved once). It must be
-read by nothing after the region, not be returned, and be its storage's only tensor in the trace.
+read by nothing after the region, not be returned, be its storage's only tensor in the trace, and
+be read by no side effect or collective: a copy to the host (offload) or a collective may still
+read it on another stream when the region runs.
 It goes to an output of the same shape, dtype, device and simulated strides that is its own storage.
 Only regions of elementwise ops donate: there each element is read and written at one index, so
 a kernel that writes an input's memory never overwrites what it has still to read (reductions,
@@ -31,7 +33,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
 from thunder_memopt.core.memory import Strides, simulated_strides, storage_roots
-from thunder_memopt.core.ops import ELEMENTWISE, leaf_names
+from thunder_memopt.core.ops import COLLECTIVE_NAMES, ELEMENTWISE, SIDE_EFFECT_NAMES, leaf_names, op_names
 from thunder_memopt.core.trace import (
     forward_outputs,
     is_bookkeeping,
@@ -72,6 +74,9 @@ def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[st
         for a in tensor_args(b):
             last_read[a.name] = i
     returned = {a.name for a in tensor_args(bsyms[-1])}
+    # Read on another stream, maybe still when a region runs: copies to the host, collectives.
+    streamed = {a.name for _, b in computing if set(op_names(b)) & (SIDE_EFFECT_NAMES | COLLECTIVE_NAMES)
+                for a in tensor_args(b)}
     infos = storage_roots(trace)
     owners = collections.Counter(info.storage for info in infos.values())
     strides = simulated_strides(trace, received=received_strides)
@@ -79,7 +84,7 @@ def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[st
     allowed = made | set(donatable_received)
 
     def may_donate(t: TensorProxy, at: int) -> bool:
-        return (t.name in allowed and last_read.get(t.name) == at and t.name not in returned
+        return (t.name in allowed and last_read.get(t.name) == at and t.name not in returned | streamed
                 and infos[t.name].storage == t.name and owners[t.name] == 1)
 
     donated = 0
