@@ -60,8 +60,8 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import HOST_MEMORY
 
-__all__ = ["offload_ex", "offload", "offload_wait", "offload_release", "reload", "wait_reload", "host_copy_proxy", "next_to_prefetch",
-           "activity_recorded", "OffloadActivity", "WAIT_KINDS"]
+__all__ = ["offload_ex", "offload", "offload_wait", "offload_release", "reload", "wait_reload", "host_copy_proxy",
+           "next_to_prefetch", "activity_recorded", "OffloadActivity", "WAIT_KINDS"]
 
 offload_ex = OperatorExecutor("memopt_offload")
 register_executor(offload_ex)

@@ -67,16 +67,17 @@ def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[st
     inputs that die there (see the module docstring), and how many outputs were donated a buffer.
     ``donatable_received``: received tensors that may be donated (a backward's, ``donatable_saved``);
     ``received_strides``: their strides, as ``simulated_strides`` takes them."""
-    bsyms = [b for b in trace.bound_symbols]
+    bsyms = list(trace.bound_symbols)
     computing = [(i, b) for i, b in enumerate(bsyms) if not is_bookkeeping(b)]
     last_read: dict[str, int] = {}
     for i, b in computing:
         for a in tensor_args(b):
             last_read[a.name] = i
-    returned = {a.name for a in tensor_args(bsyms[-1])}
-    # Read on another stream, maybe still when a region runs: copies to the host, collectives.
-    streamed = {a.name for _, b in computing if set(op_names(b)) & (SIDE_EFFECT_NAMES | COLLECTIVE_NAMES)
-                for a in tensor_args(b)}
+    # Returned, or read on another stream, maybe still when a region runs (copies to the host,
+    # collectives): held beyond the region.
+    held = {a.name for a in tensor_args(bsyms[-1])} | {
+        a.name for _, b in computing if set(op_names(b)) & (SIDE_EFFECT_NAMES | COLLECTIVE_NAMES)
+        for a in tensor_args(b)}
     infos = storage_roots(trace)
     owners = collections.Counter(info.storage for info in infos.values())
     strides = simulated_strides(trace, received=received_strides)
@@ -84,18 +85,18 @@ def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[st
     allowed = made | set(donatable_received)
 
     def may_donate(t: TensorProxy, at: int) -> bool:
-        return (t.name in allowed and last_read.get(t.name) == at and t.name not in returned | streamed
+        return (t.name in allowed and last_read.get(t.name) == at and t.name not in held
                 and infos[t.name].storage == t.name and owners[t.name] == 1)
 
     donated = 0
     for i, b in computing:
         if not fusion.is_own_fusion(b) or not set(leaf_names(b)) <= ELEMENTWISE:
             continue
-        outs = [o for o in tensor_outs(b) if infos[o.name].storage == o.name and o.name not in
-                {a.name for a in tensor_args(b)}]
+        args = {a.name: a for a in tensor_args(b)}
+        outs = [o for o in tensor_outs(b) if infos[o.name].storage == o.name and o.name not in args]
         pairs: list[tuple[TensorProxy, TensorProxy]] = []
         taken: set[str] = set()
-        for a in {a.name: a for a in tensor_args(b)}.values():
+        for a in args.values():
             if not may_donate(a, i):
                 continue
             o = next((o for o in outs if o.name not in taken and _same_layout(o, a, strides)), None)
