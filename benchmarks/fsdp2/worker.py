@@ -401,6 +401,7 @@ def run(trial_file: Path) -> int:
     if training.memopt is not None:
         result["memopt_warnings"] = memopt_warnings
         result["memopt_pass_s"] = training.memopt.pass_seconds
+        result["memopt_donated_outputs"] = training.memopt.donated_outputs
         if training.memopt.offload_plans:
             result.update(offload_fields(training.memopt.offload_plans))
     if training.executors is not None:
