@@ -81,3 +81,20 @@ def test_what_a_copy_to_the_host_reads_is_never_donated(monkeypatch):
     copied = {a.name for b in step.forward_trace.bound_symbols if b.sym.name == "memopt_offload"
               for a in tensor_args(b)}
     assert copied and not copied & {copy.flat_proxy_args[1].name for _, _, copy in _donations(step.forward_trace)}
+
+
+def test_only_an_input_of_the_outputs_layout_whose_elements_own_their_memory_is_donated():
+    """An expanded input (stride 0) holds one element's memory for many: never a donation target."""
+    from thunder.core import devices, dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    with tracectx(TraceCtx()):
+        a = TensorProxy(shape=(4, 8), device=devices.Device("cpu"), dtype=dtypes.bfloat16)
+        o = TensorProxy(like=a)
+        other_dtype = TensorProxy(shape=(4, 8), device=devices.Device("cpu"), dtype=dtypes.float32)
+    dense = {a.name: (8, 1), o.name: (8, 1), other_dtype.name: (8, 1)}
+    assert donate._same_layout(o, a, dense)
+    assert not donate._same_layout(o, a, {a.name: (0, 1), o.name: (0, 1)})
+    assert not donate._same_layout(o, a, {a.name: (1, 4), o.name: (8, 1)})
+    assert not donate._same_layout(other_dtype, a, dense)

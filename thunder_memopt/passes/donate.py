@@ -113,8 +113,12 @@ def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[st
 
 
 def _same_layout(o: TensorProxy, a: TensorProxy, strides: Mapping[str, Strides]) -> bool:
+    """Same shape, dtype, device and strides, and no element sharing memory with another (an
+    expanded dimension): each output element has an input element's memory to itself."""
+    stride = strides.get(a.name)
     return (tuple(o.shape) == tuple(a.shape) and o.dtype == a.dtype and o.device == a.device
-            and strides.get(o.name) == strides.get(a.name))
+            and stride is not None and strides.get(o.name) == stride
+            and all(s != 0 for n, s in zip(a.shape, stride) if n > 1))
 
 
 def _donating(trace: TraceCtx, region: BoundSymbol, fusion, pairs: list[tuple[TensorProxy, TensorProxy]]
