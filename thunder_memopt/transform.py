@@ -85,6 +85,7 @@ _T = TypeVar("_T")
 
 PASSES = ("loss_head", "recompute", "collectives", "schedule", "donate")
 
+
 def _check_fraction(name: str, value: object) -> None:
     """A budget must be a real number in [0, 1]: a TypeError or ValueError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -27,7 +27,8 @@ the backward of a program like it (a Block's under FSDP2), its first reload star
 (the executor's prefetch across programs), and the reloads are modeled in that steady state.
 ``OffloadMode``: ``auto``
 offloads only what hides; ``budget`` also offloads, largest first, what it must for at most
-``activation_budget`` of the saved bytes to stay on the GPU (all of it at budget 0.0).
+``budget`` of the saved bytes to stay on the GPU (all of it at 0.0; MemoryOptimization's
+``offload_budget``, which defaults to its ``activation_budget``).
 
 The memory model counts what is on the GPU: a host copy takes no device bytes, a reloaded tensor
 its bytes from its reload on.
@@ -291,8 +292,8 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
 
 def apply_offload(forward: TraceCtx, backward: TraceCtx, plan: OffloadPlan) -> tuple[TraceCtx, TraceCtx]:
     """The pair with ``plan``'s tensors offloaded: the forward copies each to the host after its
-    producer, waits for the copy (or releases a spilled one to it) where the plan says and saves the copy; the backward reloads it
-    (one reload ahead) and waits for it before its first reader."""
+    producer, waits for the copy (or releases a spilled one to it) where the plan says and saves
+    the copy; the backward reloads it (one reload ahead) and waits for it before its first reader."""
     if TraceTag.BACKWARD not in backward.tags:
         raise ValueError("apply_offload needs a forward and its backward trace")
     if not plan.offloaded:
