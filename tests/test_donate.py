@@ -1,17 +1,22 @@
 """The donate pass (passes/donate.py) on CPU, with inductor's C++ code for the regions: regions of
 elementwise ops write outputs into inputs that die there. The step is bit for bit the one without
-it, the memory model counts each donated output as its input's storage, and only inputs that
-nothing reads afterwards and the trace does not return are taken."""
+it, the memory model counts each donated output as its input's storage, only inputs that nothing
+reads afterwards and the trace does not return are taken, and where SwiGLU's gradient region
+donates, the measured peak falls."""
 
 import pytest
 import thunder
+import torch
 from _train import assert_same_numerics, train_step
+from litgpt.model import LLaMAMLP
 from thunder.dev_utils.check_trace import check_trace
 
 from thunder_memopt import PASSES, MemoryOptimization
 from thunder_memopt.core.memory import estimate_step, storage_roots
 from thunder_memopt.core.trace import is_bookkeeping, tensor_args
 from thunder_memopt.executors.fusion import InductorFusionExecutor
+from thunder_memopt.measure import peak_live_bytes
+from thunder_memopt.models import narrow_config
 from thunder_memopt.passes import donate
 
 CPU_FUSION = InductorFusionExecutor("memopt_fusion_donate_cpu", devices=("cpu",))
@@ -42,14 +47,58 @@ def test_donated_steps_are_bit_identical_and_write_only_into_inputs_that_die_the
         returned = {a.name for a in tensor_args(trace.bound_symbols[-1])}
         for i, region, copy in _donations(trace):
             _, target = copy.flat_proxy_args
-            assert target.name in {a.name for a in tensor_args(region)} and target.name not in returned
-            assert not any(target.name in {a.name for a in tensor_args(b)}
+            storage = infos[target.name].storage
+            # The input's storage before the region (after it, the output and its views live there).
+            sharing = {name for name, info in infos.items() if info.storage == storage
+                       and (info.producer_index is None or info.producer_index < i)}
+            assert target.name in {a.name for a in tensor_args(region)} and not sharing & returned
+            # Neither the input nor another tensor of its storage is read after the region.
+            assert not any(sharing & {a.name for a in tensor_args(b)}
                            for b in trace.bound_symbols[i + 1:] if not is_bookkeeping(b))
             # The memory model: the output lives in the input's storage, no bytes of its own.
-            assert infos[copy.output.name].storage == target.name
+            assert infos[copy.output.name].storage == storage
     # Region outputs that take no memory of their own never raise the estimated peak.
     assert (estimate_step(step.forward_trace, step.backward_trace).peak_bytes
             <= estimate_step(without.forward_trace, without.backward_trace).peak_bytes)
+
+
+def _mlp_step(passes):
+    """Forward and backward of litgpt's LLaMAMLP (SwiGLU; C=64, intermediate 2048, T=512) under
+    MemoryOptimization: (measured peak of the step's live tensor bytes, gradients, the pair's
+    estimated peak, the MemoryOptimization, the backward trace)."""
+    torch.manual_seed(0)
+    config = narrow_config("Llama-3-8B", n_layer=1, n_embd=64, block_size=512)
+    config.intermediate_size = 2048
+    mlp = LLaMAMLP(config).to(torch.bfloat16)
+    x = torch.randn(1, 512, config.n_embd, dtype=torch.bfloat16, requires_grad=True)
+    memopt = MemoryOptimization(passes=passes)
+    jitted = thunder.jit(mlp, transforms=[memopt], executors=[CPU_FUSION, *thunder.get_default_executors()])
+
+    def step():
+        jitted(x).float().pow(2).mean().backward()
+
+    step()  # compiles
+    x.grad = None
+    for p in mlp.parameters():
+        p.grad = None
+    peak = peak_live_bytes(step)
+    grads = [x.grad, *(p.grad for p in mlp.parameters())]
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    return peak, grads, estimate_step(forward, backward).peak_bytes, memopt, backward
+
+
+def test_swiglus_gradient_region_writes_into_the_gradient_it_reads_and_the_measured_peak_falls():
+    """The gradient entering SwiGLU's backward region is the proj matmul's output reshaped (a view of
+    all of its storage), which dies there: an output written into it lowers the step's measured peak
+    (the profiler's live tensor bytes, on CPU) and the estimate, at the same numerics bit for bit."""
+    peak_without, grads_without, estimate_without, _, _ = _mlp_step([p for p in PASSES if p != "donate"])
+    peak, grads, estimate, memopt, backward = _mlp_step(PASSES)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_without))
+    infos = storage_roots(backward)
+    targets = [copy.flat_proxy_args[1].name for _, _, copy in _donations(backward)]
+    assert any(infos[name].storage != name for name in targets)  # a view donated
+    assert memopt.donated_outputs >= len(targets) >= 2
+    assert peak < peak_without and estimate < estimate_without
 
 
 def test_a_backward_donates_only_saved_tensors_that_its_forward_made_for_it_alone():
@@ -98,3 +147,22 @@ def test_only_an_input_of_the_outputs_layout_whose_elements_own_their_memory_is_
     assert not donate._same_layout(o, a, {a.name: (0, 1), o.name: (0, 1)})
     assert not donate._same_layout(o, a, {a.name: (1, 4), o.name: (8, 1)})
     assert not donate._same_layout(other_dtype, a, dense)
+
+
+def test_only_views_that_add_or_drop_dimensions_of_size_1_keep_a_region_index_preserving():
+    """A region with such views still reads and writes each element at one index; any other view
+    (a transpose, a reshape that regroups) reads elsewhere, and its region donates nothing."""
+    from thunder.core import devices, dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+    from thunder.torch import reshape, transpose
+
+    trace = TraceCtx()
+    with tracectx(trace):
+        x = TensorProxy(shape=(1, 4, 8), device=devices.Device("cpu"), dtype=dtypes.bfloat16)
+        unit = reshape.bind(x, (4, 8), output=TensorProxy(shape=(4, 8), like=x))
+        regroup = reshape.bind(x, (8, 4), output=TensorProxy(shape=(8, 4), like=x))
+        swap = transpose.bind(x, 1, 2, output=TensorProxy(shape=(1, 8, 4), like=x))
+    assert donate._adds_or_drops_unit_dims(unit)
+    assert not donate._adds_or_drops_unit_dims(regroup)
+    assert not donate._adds_or_drops_unit_dims(swap)

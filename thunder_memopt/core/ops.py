@@ -152,11 +152,16 @@ def normalized(name: str) -> str:
     return name
 
 
+def leaf_symbols(bsym: BoundSymbol) -> list[BoundSymbol]:
+    """The innermost bound symbols a bound symbol decomposes into (itself if it does not)."""
+    if not bsym.subsymbols:
+        return [bsym]
+    return [leaf for sub in bsym.subsymbols for leaf in leaf_symbols(sub)]
+
+
 def leaf_names(bsym: BoundSymbol) -> list[str]:
     """The normalized names of the innermost symbols a bound symbol decomposes into."""
-    if not bsym.subsymbols:
-        return [normalized(bsym.sym.name)]
-    return [n for sub in bsym.subsymbols for n in leaf_names(sub)]
+    return [normalized(leaf.sym.name) for leaf in leaf_symbols(bsym)]
 
 
 def _tags(bsym: BoundSymbol) -> set:

@@ -9,17 +9,20 @@ input's memory (one kernel, no temporary), and the memory model counts the outpu
 storage (``core.memory``: a region's in-place copy returns its target). The values are the ones
 the region computed: numerics do not change.
 
-An input is donated only where the caller can hold no other reference to it: in a forward, a tensor
-the forward makes; in a backward, one it makes, or a saved tensor its forward made for the backward
-alone (not returned to the caller, not received, its storage's only tensor, saved once). It must be
-read by nothing after the region, not be returned, be its storage's only tensor in the trace, and
-be read by no side effect or collective: a copy to the host (offload) or a collective may still
+An input is donated only where the caller can hold no other reference to its storage: in a
+forward, a storage the forward makes; in a backward, one it makes, or a saved tensor's its forward
+made for the backward alone (not returned to the caller, not received, its storage's only tensor,
+saved once). The input is that storage's tensor or a view of all of it (a matmul's output reshaped
+for the next op, as the gradient entering SwiGLU's is). Nothing may read the storage after the
+region, through the input or any other of its tensors, none of them may be returned, and none may
+be read by a side effect or a collective: a copy to the host (offload) or a collective may still
 read it on another stream when the region runs.
 It goes to an output of the same shape, dtype, device and simulated strides that is its own storage.
-Only regions of elementwise ops donate: there each element is read and written at one index, so
-a kernel that writes an input's memory never overwrites what it has still to read (reductions,
-views and broadcasts read at other indices; inductor's C++ backend also fails on some reductions
-that write their input, at least on torch 2.11).
+Only regions of elementwise ops donate, and of views that only add or drop dimensions of size 1
+(the traces reshape (1, T, C) to (T, C) and back, or to their own shape): there each element is
+read and written at one index, so a kernel that writes an input's memory never overwrites what it
+has still to read (reductions, other views and broadcasts read at other indices; inductor's C++
+backend also fails on some reductions that write their input, at least on torch 2.11).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
 from thunder_memopt.core.memory import Strides, simulated_strides, storage_roots
-from thunder_memopt.core.ops import COLLECTIVE_NAMES, ELEMENTWISE, SIDE_EFFECT_NAMES, leaf_names, op_names
+from thunder_memopt.core.ops import COLLECTIVE_NAMES, ELEMENTWISE, SIDE_EFFECT_NAMES, leaf_symbols, normalized, op_names
 from thunder_memopt.core.trace import (
     forward_outputs,
     is_bookkeeping,
@@ -79,21 +82,32 @@ def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[st
         a.name for _, b in computing if set(op_names(b)) & (SIDE_EFFECT_NAMES | COLLECTIVE_NAMES)
         for a in tensor_args(b)}
     infos = storage_roots(trace)
-    owners = collections.Counter(info.storage for info in infos.values())
+    tensors_of: dict[str, list[str]] = collections.defaultdict(list)
+    for info in infos.values():
+        tensors_of[info.storage].append(info.name)
     strides = simulated_strides(trace, received=received_strides)
     made = {o.name for _, b in computing for o in tensor_outs(b)}
     allowed = made | set(donatable_received)
 
     def may_donate(t: TensorProxy, at: int) -> bool:
-        return (t.name in allowed and last_read.get(t.name) == at and t.name not in held
-                and infos[t.name].storage == t.name and owners[t.name] == 1)
+        # ``t`` or a view of all of its storage (a matmul's output reshaped, say): the last reader of
+        # that storage, which nothing holds.
+        storage = infos[t.name].storage
+        sharing = tensors_of[storage]
+        return (storage in allowed and last_read.get(t.name) == at and infos[t.name].nbytes == infos[storage].nbytes
+                and not any(name in held for name in sharing)
+                and all(last_read.get(name, -1) < at for name in sharing if name != t.name))
 
     donated = 0
     for i, b in computing:
-        if not fusion.is_own_fusion(b) or not set(leaf_names(b)) <= ELEMENTWISE:
+        if not fusion.is_own_fusion(b) or not _index_preserving(b):
             continue
         args = {a.name: a for a in tensor_args(b)}
-        outs = [o for o in tensor_outs(b) if infos[o.name].storage == o.name and o.name not in args]
+        # An output read within the region (a view of it returned too, say) would be computed into
+        # a buffer of its own before its copy: only outputs nothing in the region reads take an input.
+        read_within = {a.name for sub in b.subsymbols for a in tensor_args(sub)}
+        outs = [o for o in tensor_outs(b)
+                if infos[o.name].storage == o.name and o.name not in args and o.name not in read_within]
         pairs: list[tuple[TensorProxy, TensorProxy]] = []
         taken: set[str] = set()
         for a in args.values():
@@ -110,6 +124,23 @@ def donate_buffers(trace: TraceCtx, fusion, *, donatable_received: Collection[st
         return trace, 0
     return replace_bound_symbols(trace, bsyms, f"thunder_memopt donate: {donated} region outputs written "
                                  "into inputs that die there"), donated
+
+
+# Views that keep every element at its index when they only add or drop dimensions of size 1.
+_UNIT_DIM_VIEWS = frozenset({"reshape", "shallow_copy", "squeeze", "unsqueeze", "view", "flatten"})
+
+
+def _index_preserving(region: BoundSymbol) -> bool:
+    """Whether each output element of ``region`` is computed from its inputs' elements at the same
+    index: its ops are elementwise, or views that only add or drop dimensions of size 1."""
+    return all(normalized(leaf.sym.name) in ELEMENTWISE or _adds_or_drops_unit_dims(leaf)
+               for leaf in leaf_symbols(region))
+
+
+def _adds_or_drops_unit_dims(view: BoundSymbol) -> bool:
+    ins, outs = tensor_args(view), tensor_outs(view)
+    return (normalized(view.sym.name) in _UNIT_DIM_VIEWS and len(ins) == 1 and len(outs) == 1
+            and [n for n in ins[0].shape if n != 1] == [n for n in outs[0].shape if n != 1])
 
 
 def _same_layout(o: TensorProxy, a: TensorProxy, strides: Mapping[str, Strides]) -> bool:
