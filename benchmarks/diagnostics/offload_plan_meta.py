@@ -16,18 +16,12 @@ from __future__ import annotations
 
 import argparse
 
-import thunder
-import thunder.torch as ltorch
-import torch
-from litgpt.model import Block
+from _meta_block import run_block_on_meta
 
-import thunder_memopt.transform as transform_module
 from thunder_memopt import MemoryOptimization
 from thunder_memopt.arguments import fraction, litgpt_model_name, positive_float, positive_int
 from thunder_memopt.core.cost import DeviceRates
 from thunder_memopt.core.trace import strip_deletions
-from thunder_memopt.executors import InductorFusionExecutor, cudnn_attention_ex, linear_cross_entropy_ex
-from thunder_memopt.models import narrow_config
 from thunder_memopt.passes import offload as offload_pass
 
 MIB = 2**20
@@ -51,13 +45,6 @@ def main() -> None:
     rates = DeviceRates(to_host=args.to_host_gbps * 1e9, to_device=args.to_device_gbps * 1e9,
                         flops=args.tflops * 1e12, memory=args.memory_tbps * 1e12)
 
-    # The GPU's executors claim meta tensors; regions are never compiled (nothing runs).
-    cudnn_attention_ex.implmap[ltorch.scaled_dot_product_attention.id].checker = lambda *a, **k: True
-    transform_module.compile_ahead = lambda traces: 0
-    fusion = InductorFusionExecutor("memopt_fusion_meta", devices=("meta",))
-    config = narrow_config(args.model_name, n_layer=1, block_size=args.block_size)
-    with torch.device("meta"):
-        block = Block(config, block_idx=0).to(torch.bfloat16)
     pairs = []  # the final forward and backward the plan is made from
     make_plan = offload_pass.plan_offload
 
@@ -69,21 +56,16 @@ def main() -> None:
     offload_pass.plan_offload = recorded_plan
     keep = {} if args.offload_budget is None else {"offload_budget": args.offload_budget}
     memopt = MemoryOptimization(activation_budget=args.budget, offload=args.offload, offload_rates=rates, **keep)
-    jitted = thunder.jit(block, transforms=[memopt],
-                         executors=[linear_cross_entropy_ex, cudnn_attention_ex, fusion, *thunder.get_default_executors()])
+    # The first copy to the host cannot run on meta: the plan is made by then.
+    run_block_on_meta(args.model_name, args.block_size, memopt, stop=NotImplementedError)
     t = args.block_size
-    x = torch.empty(1, t, config.n_embd, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    cos = torch.empty(1, t, config.rope_n_elem, device="meta", dtype=torch.bfloat16)
-    try:
-        jitted(x, cos, cos.clone())
-    except NotImplementedError:  # the first copy to the host, on meta: the plan is made by then
-        pass
     (plan,) = memopt.offload_plans
     print(f"{args.model_name} Block, T={t}, offload={args.offload!r} at budget {args.budget:g}, offload budget "
           f"{memopt.offload_budget:g}: {len(plan.offloaded)} tensors offloaded, {plan.offloaded_bytes / MIB:.1f} MiB "
           f"({len(plan.spilled)} spilled past the forward); "
           f"{plan.kept_bytes / MIB:.1f} MiB of saved activations kept on the device; "
-          f"copies to the host hidden: {plan.to_host_hidden}; reload wait {plan.exposed_seconds * 1e3:.2f} ms")
+          f"copies to the host hidden: {plan.to_host_hidden}; reload wait {plan.exposed_seconds * 1e3:.2f} ms; "
+          f"region outputs donated an input: {memopt.donated_outputs}")
     (forward, backward), = pairs
     pair = offload_pass._Pair.of(forward, backward, rates)
     chained = offload_pass._is_chained(forward, backward)
