@@ -10,9 +10,9 @@ storage (``core.memory``: a region's in-place copy returns its target). The valu
 the region computed: numerics do not change.
 
 An input is donated only where the caller can hold no other reference to its storage: in a
-forward, a storage the forward makes; in a backward, one it makes, or a saved tensor's its forward
-made for the backward alone (not returned to the caller, not received, its storage's only tensor,
-saved once). The input is that storage's tensor or a view of all of it (a matmul's output reshaped
+forward, a storage the forward makes; in a backward, one it makes, or that of a saved tensor its
+forward made for the backward alone (not returned to the caller, not received, its storage's only
+tensor, saved once). The input is that storage's tensor or a view of all of it (a matmul's output reshaped
 for the next op, as the gradient entering SwiGLU's is). Nothing may read the storage after the
 region, through the input or any other of its tensors, none of them may be returned, and none may
 be read by a side effect or a collective: a copy to the host (offload) or a collective may still
@@ -36,7 +36,14 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
 from thunder_memopt.core.memory import Strides, simulated_strides, storage_roots
-from thunder_memopt.core.ops import COLLECTIVE_NAMES, ELEMENTWISE, SIDE_EFFECT_NAMES, leaf_symbols, normalized, op_names
+from thunder_memopt.core.ops import (
+    COLLECTIVE_NAMES,
+    ELEMENTWISE,
+    SIDE_EFFECT_NAMES,
+    leaf_symbols,
+    normalized,
+    op_names,
+)
 from thunder_memopt.core.trace import (
     forward_outputs,
     is_bookkeeping,
