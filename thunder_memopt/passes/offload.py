@@ -196,12 +196,13 @@ def _to_host_ends(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates)
     return ends
 
 
-def _to_host(chosen: Sequence[_Candidate], pair: _Pair, rates: DeviceRates) -> tuple[dict[str, int], set[str]]:
-    """Where the forward lets each tensor go, and which copies spill past its end. A copy that ends
-    within the forward is waited for after the first computing symbol, from the last reader on, by
-    whose end it has ended; a spilling one is released to its copy right after the last reader."""
+def _to_host(ends: Sequence[tuple[_Candidate, float]], pair: _Pair) -> tuple[dict[str, int], set[str]]:
+    """Where the forward lets each tensor go, and which copies spill past its end, from the copies'
+    ends (``_to_host_ends``). A copy that ends within the forward is waited for after the first
+    computing symbol, from the last reader on, by whose end it has ended; a spilling one is released
+    to its copy right after the last reader."""
     times, where, spilled = pair.forward_times, {}, set()
-    for c, end in _to_host_ends(chosen, pair, rates):
+    for c, end in ends:
         if end > times[-1]:
             spilled.add(c.name)
             where[c.name] = c.last_read
@@ -274,7 +275,8 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
                 kept -= c.nbytes
     chosen.sort(key=lambda c: c.produced)
     hidden, delay = _exposed(chosen, pair, rates, chained=chained)
-    released, spilled = _to_host(chosen, pair, rates)
+    ends = _to_host_ends(chosen, pair, rates)
+    released, spilled = _to_host(ends, pair)
     offloaded = sum(c.nbytes for c in chosen)
     return OffloadPlan(
         offloaded=tuple(c.name for c in chosen),
@@ -286,7 +288,7 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
         exposed_seconds=delay,
         rates=rates,
         forward_seconds=pair.forward_times[-1],
-        to_host_end_seconds=max((end for _, end in _to_host_ends(chosen, pair, rates)), default=0.0),
+        to_host_end_seconds=max((end for _, end in ends), default=0.0),
     )
 
 
