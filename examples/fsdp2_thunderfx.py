@@ -3,6 +3,11 @@
     torchrun --nproc-per-node 2 examples/fsdp2_thunderfx.py
 
 Uses NCCL on GPUs and gloo on CPU (with a model narrowed to width 256), so it runs anywhere.
+
+The head (``lm_head``) stays in the root FSDP2 unit, next to the loss, and the loss is computed
+inside the compiled module (``HeadWithLoss``). Under torch.compile each FSDP2 unit is a graph of its
+own; with the head and its cross-entropy in one graph, MemoryOptimization's loss_head pass fuses
+them and the logits are never held whole.
 """
 
 import argparse
@@ -15,15 +20,29 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from thunder_memopt import MemoryOptimization, thunderfx_backend
 from thunder_memopt.arguments import litgpt_model_name, positive_int
-from thunder_memopt.models import build_model, narrow_config, random_batch
+from thunder_memopt.models import build_model, narrow_config, next_token_loss, random_batch
 
 
-def shard(model, on_gpu: bool, reshard_after_forward: bool) -> None:
-    """fully_shard per Block, on the embedding, head and final norm, then the root."""
+class HeadWithLoss(torch.nn.Module):
+    """The GPT without its head, then the head and the loss, in one forward (one graph)."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = gpt.lm_head
+        gpt.lm_head = torch.nn.Identity()
+        self.gpt = gpt
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.head(self.gpt(input_ids)), targets)
+
+
+def shard(gpt: torch.nn.Module, root: torch.nn.Module, on_gpu: bool, reshard_after_forward: bool) -> None:
+    """fully_shard each Block and the embedding, then the root, whose unit holds the final norm, the
+    head and the loss."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if on_gpu else MixedPrecisionPolicy()
-    for module in [*model.transformer.h, model.transformer.wte, model.lm_head, model.transformer.ln_f]:
+    for module in [*gpt.transformer.h, gpt.transformer.wte]:
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 def main() -> None:
@@ -44,15 +63,16 @@ def main() -> None:
         torch.cuda.set_device(device)
     block_size = args.block_size or (4096 if on_gpu else 128)
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=None if on_gpu else 256, block_size=block_size)
-    model = build_model(cfg, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
-    shard(model, on_gpu, reshard_after_forward=args.zero3)
+    gpt = build_model(cfg, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
+    model = HeadWithLoss(gpt)
+    shard(gpt, model, on_gpu, reshard_after_forward=args.zero3)
     compiled = torch.compile(model, backend=thunderfx_backend(MemoryOptimization()))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
     for step in range(args.steps):
         x, y = random_batch(cfg, batch_size=1, seq_len=block_size, device=device, seed=step)
         start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(compiled(x).flatten(0, 1).float(), y.flatten())
+        loss = compiled(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,9 +1,12 @@
 """Train a litgpt model under thunder.jit with thunder_memopt's executors and MemoryOptimization, on
 a GPU or, without one, on CPU (where the fusion executor, CUDA's, claims nothing).
 
+The loss is computed inside the jitted module (``GPTWithLoss``), so that the loss_head pass can fuse
+the head with its cross-entropy. Each flag is the MemoryOptimization option of the same name:
+
     python examples/jit_single_device.py --model-name pythia-160m --n-layer 4 --steps 5
-    python examples/jit_single_device.py --budget 0.0 --offload budget   # long context: saved tensors to the host
-    python examples/jit_single_device.py --offload budget --offload-budget 0.5   # no more recompute, half offloaded
+    python examples/jit_single_device.py --activation-budget 0.0 --offload budget   # long context
+    python examples/jit_single_device.py --offload budget --offload-budget 0.5   # half the saved bytes to the host
 """
 
 import argparse
@@ -14,7 +17,7 @@ import torch
 
 from thunder_memopt import MemoryOptimization, executors
 from thunder_memopt.arguments import fraction, litgpt_model_name, positive_int
-from thunder_memopt.models import build_model, narrow_config, random_batch
+from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 
 
 def main() -> None:
@@ -23,12 +26,13 @@ def main() -> None:
     p.add_argument("--n-layer", type=positive_int, default=2)
     p.add_argument("--block-size", type=positive_int, default=None, help="default: 2048 on GPU, 256 on CPU")
     p.add_argument("--steps", type=positive_int, default=3)
-    p.add_argument("--budget", type=fraction, default=1.0, help="activation_budget in [0, 1]")
+    p.add_argument("--activation-budget", type=fraction, default=1.0,
+                   help="MemoryOptimization(activation_budget=...), in [0, 1]")
     p.add_argument("--offload", choices=["off", "auto", "budget"], default="off",
                    help="MemoryOptimization(offload=...): saved tensors to pinned host memory (CUDA only)")
     p.add_argument("--offload-budget", type=fraction, default=None,
                    help="MemoryOptimization(offload_budget=...) with --offload budget: the share of saved bytes "
-                        "left on the GPU (default: --budget)")
+                        "left on the GPU (default: --activation-budget)")
     args = p.parse_args()
     if args.offload_budget is not None and args.offload != "budget":
         p.error("--offload-budget applies to --offload budget")
@@ -38,15 +42,16 @@ def main() -> None:
     block_size = args.block_size or (2048 if on_gpu else 256)
     # On CPU the model is narrowed to width 256 so that it runs anywhere.
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=None if on_gpu else 256, block_size=block_size)
-    model = build_model(cfg, device=device)
-    memopt = MemoryOptimization(activation_budget=args.budget, offload=args.offload, offload_budget=args.offload_budget)
+    model = GPTWithLoss(build_model(cfg, device=device))
+    memopt = MemoryOptimization(activation_budget=args.activation_budget, offload=args.offload,
+                                offload_budget=args.offload_budget)
     jitted = thunder.jit(model, executors=executors(), transforms=[memopt])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
     for step in range(args.steps):
         x, y = random_batch(cfg, batch_size=1, seq_len=block_size, device=device, seed=step)
         start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(jitted(x).flatten(0, 1).float(), y.flatten())
+        loss = jitted(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import subprocess
@@ -25,3 +26,26 @@ def test_example_trains_and_reports_each_step(example):
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     losses = [float(loss) for loss in re.findall(r"^step \d+: loss (\S+),", finished.stdout, re.MULTILINE)]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), finished.stdout
+
+
+def test_single_device_flags_are_memory_optimizations_option_names():
+    finished = subprocess.run([*COMMANDS["jit_single_device"], "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    flags = set(re.findall(r"--[\w-]+", finished.stdout))
+    assert {"--activation-budget", "--offload", "--offload-budget"} <= flags, flags
+    assert "--budget" not in flags
+
+
+@pytest.mark.parametrize("example", sorted(COMMANDS))
+def test_example_imports_nothing_private_from_thunder_memopt(example):
+    tree = ast.parse((ROOT / "examples" / f"{example}.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("thunder_memopt"):
+            names = [node.module, *(alias.name for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names if alias.name.startswith("thunder_memopt")]
+        else:
+            continue
+        private = [n for n in names for part in n.split(".") if part.startswith("_")]
+        assert not private, (example, private)
