@@ -48,6 +48,17 @@
 #                   the same model and setup: inductor, thunder+memopt at 1.0 and thunder+memopt-offload at budget
 #                   1.0 with offload budgets (--offload-keep) 0.5 and 0.25, which take the MLP fc outputs that do not
 #                   hide, with an allocator snapshot per row (issue 16's Llama criterion with recompute at 1.0)
+#   sim-validate-zero2 sim-validate-zero3
+#                   SIMULATED (--simulate-world-size 2, one GPU): stablecode 8 layers, T=8192, the head in a unit of
+#                   its own as in the 2 x H200 rows of 2026-11-29/30 (--head-unit own): eager, eager-ac, inductor,
+#                   inductor-budget and thunder, to hold against those rows
+#   sim-llama3-8b   SIMULATED rank 0 of 8: Llama-3-8B, 32 layers, T=8192, zero2, every backend
+#   sim-sc32        SIMULATED rank 0 of 8: stablecode 32 layers, zero2, T=8192 and 16384 in one invocation,
+#                   every backend
+#   sim-sc32-maxT-inductor sim-sc32-maxT-memopt sim-sc32-maxT-offload sim-sc32-maxT-eager-ac
+#                   SIMULATED rank 0 of 8: the longest T that fits, stablecode 32 layers, zero2
+#   sim-llama3-70b  SIMULATED rank 0 of 64: Llama-3-70B, 80 layers, zero3, T=8192: eager-ac, inductor,
+#                   thunder+memopt at 1.0 and 0.0, thunder+memopt-offload at 0.0
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -84,6 +95,21 @@ longest_block_size() {  # backend, first block size: two that fit give the searc
     bench --model-name stablecode-completion-alpha-3b --n-layer 32 --shard-mode zero2 --compile "$1" \
         --find-max-block-size --block-size "$2" --search-granularity 1024 --warmup 1 --iters 1 \
         --out "$OUT/stablecode_32l_zero2_max_block_size.jsonl"
+}
+
+simulated() {  # N, then the benchmark's options: one process plays rank 0 of N on GPU 0
+    local ranks=$1
+    shift
+    CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/benchmark_fsdp2.py --simulate-world-size "$ranks" --resume --plot none \
+        --time-limit "$TIME_LIMIT_MIN" ${LOG_DIR:+--log-dir "$LOG_DIR"} "$@"
+}
+
+simulated_longest_block_size() {  # backend, first block size, more options
+    local backend=$1 start=$2
+    shift 2
+    simulated 8 --model-name stablecode-completion-alpha-3b --n-layer 32 --shard-mode zero2 --compile "$backend" \
+        --find-max-block-size --block-size "$start" --search-granularity 4096 --warmup 1 --iters 1 \
+        --out "$OUT/stablecode_32l_zero2_sim8_max_block_size.jsonl" "$@"
 }
 
 tables() {
@@ -164,6 +190,26 @@ case "$GROUP" in
             --memopt-budget 1.0 --offload-budget 1.0 --offload-keep 0.5 0.25 \
             --memory-snapshot "${LOG_DIR:-$OUT}/llama3_8b_offload_keep_snapshots" \
             --out "$OUT/llama3_8b_4l_zero2_1xH200_T8192_fused_adamw_offload_keep.jsonl" ;;
+    sim-validate-zero2|sim-validate-zero3)
+        shard_mode=${GROUP#sim-validate-}
+        simulated 2 --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode "$shard_mode" \
+            --head-unit own --compile eager eager-ac inductor inductor-budget thunder \
+            --out "$OUT/stablecode_8l_${shard_mode}_sim2_T8192.jsonl" ;;
+    sim-llama3-8b)
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
+            --compile inductor thunder+memopt eager eager-ac inductor-budget thunder thunder+memopt-offload \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_T8192.jsonl" ;;
+    sim-sc32)
+        simulated 8 --model-name stablecode-completion-alpha-3b --n-layer 32 --block-size 8192 16384 --shard-mode zero2 \
+            --compile "${ALL_BACKENDS[@]}" --out "$OUT/stablecode_32l_zero2_sim8.jsonl" ;;
+    sim-sc32-maxT-inductor) simulated_longest_block_size inductor 16384 ;;
+    sim-sc32-maxT-memopt) simulated_longest_block_size thunder+memopt 32768 ;;
+    sim-sc32-maxT-offload) simulated_longest_block_size thunder+memopt-offload 65536 ;;
+    sim-sc32-maxT-eager-ac) simulated_longest_block_size eager-ac 65536 ;;
+    sim-llama3-70b)
+        simulated 64 --model-name Llama-3-70B --n-layer 80 --block-size 8192 --shard-mode zero3 \
+            --compile eager-ac inductor thunder+memopt thunder+memopt-offload --memopt-budget 1.0 0.0 \
+            --out "$OUT/llama3_70b_80l_zero3_sim64_T8192.jsonl" ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.fsdp2
 
-from benchmarks.fsdp2.tables import main  # noqa: E402
+from benchmarks.fsdp2.tables_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

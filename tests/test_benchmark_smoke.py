@@ -20,7 +20,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPOSITORY / "benchmarks"
 sys.path.insert(0, str(REPOSITORY))
 
-from benchmarks.fsdp2 import driver, profiling, search, tables, worker  # noqa: E402
+from benchmarks.fsdp2 import backends, driver, plots, profiling, search, tables, tables_cli, worker  # noqa: E402
 from benchmarks.fsdp2.trial import (  # noqa: E402
     HOST_MEMORY_FIELDS, LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload,
     load_rows)
@@ -221,7 +221,7 @@ def test_search_results_make_a_table_and_a_plot(tmp_path, capsys):
     and the plot of the probes' peaks against T."""
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "stablecode_32l_zero2_max_block_size.jsonl"
     plot_path = tmp_path / "search.png"
-    tables.main([str(results), "--plot", str(plot_path)])
+    tables_cli.main([str(results), "--plot", str(plot_path)])
     table = capsys.readouterr().out
     summaries = tables.search_results(load_rows([results]))
     assert table.startswith("#### Longest sequence that fits")
@@ -289,7 +289,7 @@ def test_optimizer_flag_picks_adamws_implementation_and_both_take_the_same_step(
 
     assert trial_of(["--compile", "eager"]).numerics.optimizer == "foreach"
     fused_trial = trial_of(["--compile", "eager", "--optimizer", "fused"])
-    assert fused_trial.numerics.optimizer == "fused" and "optimizer=fused" in fused_trial.describe()
+    assert fused_trial.numerics.optimizer == "fused" and "optimizer=fused" in backends.describe_trial(fused_trial)
     weights = {}
     for optimizer in ("foreach", "fused"):
         trial = _stablecode_trial(n_layer=1, n_embd=128, narrowed=True, block_size=32, distributed_mode="none",
@@ -382,10 +382,10 @@ def test_memory_per_token_is_the_slope_of_the_peak_between_two_block_sizes(tmp_p
         "| thunder+memopt @1 | 30.00 | 41.44 | 1.50 | 0.50x (1.50 / 3.00 MB) | 900 | 2026-12-01 10:01 |"]
     results = tmp_path / "rows.jsonl"
     results.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tables.main([str(results), "--against", "inductor", "--plot", str(tmp_path / "plot.png")])
+    tables_cli.main([str(results), "--against", "inductor", "--plot", str(tmp_path / "plot.png")])
     assert "\n".join(section) in capsys.readouterr().out
     assert (tmp_path / "plot.png").stat().st_size > 0
-    tables.main([str(results)])  # without --against: the slopes, no ratios
+    tables_cli.main([str(results)])  # without --against: the slopes, no ratios
     assert "| inductor | 40.00 | 62.89 | 3.00 | 900 | 2026-12-01 10:00 |" in capsys.readouterr().out
 
 
@@ -397,7 +397,7 @@ def test_memory_per_token_of_cpu_rows_is_not_measured(tmp_path, capsys):
     lines = tables.per_token_section(rows, base="eager").splitlines()
     assert lines[-2:] == [f"| eager | – | – | {tables.NOT_MEASURED} | – | 900 | 2026-12-01 10:00 |",
                           f"| thunder+memopt @1 | – | – | {tables.NOT_MEASURED} | – | 900 | 2026-12-01 10:01 |"]
-    tables.plot(rows, tmp_path / "plot.png")
+    plots.plot(rows, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
@@ -419,10 +419,10 @@ def test_summary_puts_defaults_first_and_latest_code_leaves_out_rows_before_the_
                       "| thunder+memopt @0", "| thunder+memopt @1 [recompute]",
                       "| thunder+memopt @1 [unfused replays]", "| thunder+memopt @1 [fused replays]",
                       "| thunder+memopt @1 [fusion off]"]
-    tables.main([str(results), "--summary", "--latest-code", "--plot", str(tmp_path / "plot.png")])
+    tables_cli.main([str(results), "--summary", "--latest-code", "--plot", str(tmp_path / "plot.png")])
     out = capsys.readouterr().out
     assert "replays" not in out and "fusion off" in out
-    assert tables.varying_fields(rows) == []
+    assert plots.varying_fields(rows) == []
 
 
 def test_rows_name_the_package_tree_git_would_give(tmp_path):

@@ -19,12 +19,12 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.fsdp2.trial import FIELD_DEFAULTS, Trial, sharding_of
+
 if TYPE_CHECKING:
     import argparse
 
     import torch
-
-    from benchmarks.fsdp2.trial import Trial
 
 # --fusion's values: thunder_memopt.executors(fusion=...).
 FUSION = {"on": True, "off": False}
@@ -228,6 +228,28 @@ def label(row: Mapping[str, Any]) -> str:
     """A row's backend as the tables name it: ``thunder+memopt @0.5 [recompute] [fusion off]``."""
     name = row["backend"] if row.get("budget") is None else f"{row['backend']} @{row['budget']:g}"
     return name + "".join(f" [{tag}]" for tag in tags(row))
+
+
+def describe_trial(trial: Trial) -> str:
+    """One line for the progress output: the backend with the options it owns, the block size and setup."""
+    compilation, numerics, workload, sharding = trial.compilation, trial.numerics, trial.workload, trial.sharding
+    own = BACKENDS[compilation.backend].own_fields
+    options = "" if compilation.budget is None else f" budget={compilation.budget:g}"
+    if "memopt_passes" in own and compilation.memopt_passes is not None:
+        options += f" passes={'+'.join(compilation.memopt_passes)}"
+    if "fusion" in own and compilation.fusion != "on":
+        options += f" fusion={compilation.fusion}"
+    if "offload_keep" in own and compilation.offload_keep is not None:
+        options += f" keep={compilation.offload_keep:g}"
+    if numerics.autocast:
+        options += " autocast"
+    if numerics.loss_mode != "in-graph":
+        options += f" loss={numerics.loss_mode}"
+    if numerics.optimizer != FIELD_DEFAULTS["optimizer"]:
+        options += f" optimizer={numerics.optimizer}"
+    ranks = f"simulated world size {sharding.world_size}" if sharding.simulated else f"world size {sharding.world_size}"
+    return (f"{compilation.backend}{options} T={workload.block_size} ({workload.model}, {workload.n_layer} layers, "
+            f"{sharding_of(trial.key())}, {ranks})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,14 +19,15 @@ it; the memory fields are then null (there is no CPU allocator peak to report).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
-from benchmarks.fsdp2 import backends, driver, search
-from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation, Measurement,
-                                    Numerics, Sharding, Trial, Workload)
-from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_int
+from benchmarks.fsdp2 import backends, driver, search, step_model
+from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, HEAD_UNITS, LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation,
+                                    Measurement, Numerics, Sharding, Trial, Workload)
+from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_float, positive_int
 from thunder_memopt.models import DTYPES, narrow_config
 from thunder_memopt.transform import PASSES
 
@@ -68,7 +69,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     sharding.add_argument("--distributed-mode", choices=DISTRIBUTED_MODES, default="fsdp2")
     sharding.add_argument("--shard-mode", choices=SHARD_MODES, default="zero2",
                           help="fsdp2: reshard_after_forward False/True; thunder-fsdp: FSDPType.ZERO2/ZERO3")
+    sharding.add_argument("--head-unit", choices=HEAD_UNITS, default="root",
+                          help="fsdp2: root puts the final norm, the head and the in-graph loss in the root's unit "
+                               "(one graph, so the head fuses with its loss); own gives the head and the final norm "
+                               "units of their own and computes the loss after the root, the layout of rows "
+                               "written before 2026-12-01")
     sharding.add_argument("--nproc-per-node", type=positive_int, default=1, help="ranks, when not launched by torchrun")
+    sharding.add_argument("--simulate-world-size", type=positive_int, metavar="N",
+                          help="fsdp2 only: one process plays rank 0 of N under torch's fake process group (rank "
+                               "0's shards, full-size all-gather and reduce-scatter buffers, collectives that move "
+                               "no data: losses are not checked); rows are marked simulated and get a modelled "
+                               "step at --bus-bandwidth")
+    sharding.add_argument("--bus-bandwidth", type=positive_float, metavar="GBPS",
+                          help="with --simulate-world-size: NCCL's all-gather and reduce-scatter bus bandwidth, GB/s, "
+                               f"for the modelled step (default {step_model.NVLINK_BUS_GBPS:g}, H100/H200 NVLink; give "
+                               "an inter-node figure for ranks across nodes)")
 
     compilation = parser.add_argument_group("backends")
     compilation.add_argument("--compile", nargs="+", choices=list(backends.BACKENDS),
@@ -97,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                               "cumulative time, in the row and the log")
     measure.add_argument("--memory-snapshot", metavar="PATH",
                          help="CUDA allocator snapshot of the measured steps (rank 0), one file per row")
-    measure.add_argument("--loss-rtol", type=float, default=0.02,
+    measure.add_argument("--loss-rtol", type=positive_float, default=0.02,
                          help="losses further apart than this (relative) get a WARNING; 0.02 is a few bf16 epsilons")
 
     search_group = parser.add_argument_group("longest sequence that fits")
@@ -111,8 +126,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     output.add_argument("--plot", help="PNG path (default: --out with .png), or 'none'")
     output.add_argument("--log-dir", help="worker logs (default: --out with .logs)")
     output.add_argument("--resume", action="store_true", help="take ok/OOM rows of identical trials from --out")
-    output.add_argument("--time-limit", type=float, help="minutes; start no trial that may not end in time")
-    output.add_argument("--trial-timeout", type=float, default=1800, help="seconds before a trial is stopped")
+    output.add_argument("--time-limit", type=positive_float, help="minutes; start no trial that may not end in time")
+    output.add_argument("--trial-timeout", type=positive_float, default=1800, help="seconds before a trial is stopped")
 
     args = parser.parse_args(argv)
     thunder_backends = [backend.name for backend in backends.BACKENDS.values() if backend.thunder]
@@ -125,7 +140,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         parser.error(f"--offload-keep applies to {', '.join(keeping)}, which --compile does not list")
     if args.autocast and DTYPES[args.dtype] != DTYPES["fp32"]:
         parser.error("--autocast casts to bf16 inside the step: keep the parameters in --dtype fp32")
+    if args.head_unit != "root" and args.distributed_mode != "fsdp2":
+        parser.error(f"--head-unit {args.head_unit} places FSDP2's units: use it with --distributed-mode fsdp2")
+    check_simulation(args, parser)
     return args, parser
+
+
+def check_simulation(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--simulate-world-size and --bus-bandwidth: what they combine with."""
+    simulated = args.simulate_world_size
+    if simulated is None:
+        if args.bus_bandwidth is not None:
+            parser.error("--bus-bandwidth sets the modelled step of --simulate-world-size, which is not given")
+        return
+    if simulated < 2:
+        parser.error(f"--simulate-world-size must be at least 2 (FSDP2 skips its collectives at 1), got {simulated}")
+    if args.distributed_mode != "fsdp2":
+        parser.error("--simulate-world-size simulates FSDP2's ranks: use it with --distributed-mode fsdp2")
+    if args.nproc_per_node > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("--simulate-world-size runs one process: leave out --nproc-per-node and torchrun's ranks")
+    if args.bus_bandwidth is None:
+        args.bus_bandwidth = step_model.NVLINK_BUS_GBPS
 
 
 def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool) -> None:
@@ -150,7 +185,8 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
         numerics=Numerics(dtype=str(DTYPES[args.dtype]).removeprefix("torch."), autocast=args.autocast,
                           loss_mode=args.loss_mode, optimizer=args.optimizer),
         sharding=Sharding(distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,
-                          world_size=1 if args.distributed_mode == "none" else world_size),
+                          world_size=1 if args.distributed_mode == "none" else args.simulate_world_size or world_size,
+                          simulated=args.simulate_world_size is not None, head_unit=args.head_unit),
         compilation=Compilation(backend=args.compile[0],
                                 memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
                                 fusion=args.fusion),
@@ -200,11 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     settings = driver.DriverSettings(out=out, log_dir=Path(args.log_dir) if args.log_dir else out.with_suffix(".logs"),
                                      resume=args.resume, time_limit_min=args.time_limit,
-                                     trial_timeout_s=args.trial_timeout)
+                                     trial_timeout_s=args.trial_timeout, bus_gbps=args.bus_bandwidth)
     runner = driver.Driver(settings, {**environment, "vocab_size": args.vocab_size})
     template = trial_template(args, world_size)
     plot_path = None if args.plot == "none" else Path(args.plot) if args.plot else out.with_suffix(".png")
-    print(f"{len(args.compile)} backend(s) on {template.sharding.world_size} x {environment['gpu']}; rows to {out}, "
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        print("WARNING: matplotlib is not installed (pip install -e '.[bench]'): no plot", flush=True)
+        plot_path = None
+    ranks = (f"rank 0 of {template.sharding.world_size} simulated on 1" if template.sharding.simulated
+             else str(template.sharding.world_size))
+    print(f"{len(args.compile)} backend(s) on {ranks} x {environment['gpu']}; rows to {out}, "
           f"logs in {settings.log_dir}", flush=True)
     try:
         if args.find_max_block_size:

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.fsdp2 import backends, tables, worker
+from benchmarks.fsdp2 import backends, plots, step_model, tables, worker
 from benchmarks.fsdp2.trial import (FINAL_STATUSES, HOST_MEMORY_FIELDS, MEMORY_FIELDS, RUN_ROW, Trial, field_value,
                                     load_rows)
 
@@ -59,6 +59,7 @@ class DriverSettings:
     resume: bool = False
     time_limit_min: float | None = None  # start no trial that may not end within this
     trial_timeout_s: float = 1800
+    bus_gbps: float | None = None  # simulated rows: the bus bandwidth of their modelled step
 
 
 def git_tree_hash(directory: Path) -> str:
@@ -165,7 +166,7 @@ def launch_trial(trial: Trial, log_path: Path, timeout_s: float) -> dict:
         trial_file = work_dir / "trial.json"
         worker.write_json(trial_file, trial.fields())
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={trial.sharding.world_size}", "-m", worker.__name__, str(trial_file)]
+                   f"--nproc-per-node={trial.sharding.processes}", "-m", worker.__name__, str(trial_file)]
         # Search probes share the compile caches: there, only whether a size fits matters.
         env = worker_environment(None if trial.measurement.search else work_dir)
         with open(log_path, "w") as log:
@@ -242,11 +243,12 @@ class Driver:
         key = {"row_type": RUN_ROW, **trial.key()}
         earlier = self.earlier_row(key)
         if earlier is not None:
-            print(f"[{self.trials}] {trial.describe()}: {earlier['status']} in {self.out} (--resume)", flush=True)
+            print(f"[{self.trials}] {backends.describe_trial(trial)}: {earlier['status']} in {self.out} (--resume)",
+                  flush=True)
             self.rows.append(earlier)
             return earlier
         timeout_s, limited_by_deadline = self.trial_timeout()
-        print(f"[{self.trials}] {trial.describe()} ...", flush=True)
+        print(f"[{self.trials}] {backends.describe_trial(trial)} ...", flush=True)
         budget = "" if trial.compilation.budget is None else f"@{trial.compilation.budget:g}"
         log_path = self.log_dir / (f"{time.strftime('%Y%m%d-%H%M%S')}_{trial.compilation.backend}{budget}"
                                    f"_T{trial.workload.block_size}.log")
@@ -258,6 +260,10 @@ class Driver:
         self.longest_trial_s = max(self.longest_trial_s, elapsed)
         row = {**key, **self.context(), "log": str(log_path), "wall_s": elapsed,
                **dict.fromkeys(MEMORY_FIELDS + HOST_MEMORY_FIELDS), **outcome}
+        if "sim_timeline" in outcome:
+            timeline = step_model.Timeline.from_json(outcome["sim_timeline"])
+            row.update(step_model.model_step(timeline, world_size=trial.sharding.world_size,
+                                             bus_gbps=self.settings.bus_gbps or step_model.NVLINK_BUS_GBPS).fields())
         self.record(key, row)
         print(f"    -> {tables.describe_row(row)} [{elapsed:.0f} s, log {log_path}]", flush=True)
         return row
@@ -272,8 +278,12 @@ def sweep(driver: Driver, trials: Iterable[Trial]) -> None:
 def warn_on_loss_disagreement(rows: list[dict], rtol: float) -> None:
     """A WARNING line for each row whose loss differs from its group's (eager's, else first) loss."""
     groups: dict[tuple, list[dict]] = {}
-    for row in tables.measured_rows(rows):
-        if row.get("loss") is not None:
+    measured = tables.measured_rows(rows)
+    if any(field_value(row, "simulated") for row in measured):
+        print("Losses of simulated rows are not compared: the fake process group's collectives move no data.",
+              flush=True)
+    for row in measured:
+        if row.get("loss") is not None and not field_value(row, "simulated"):
             groups.setdefault(tables.config_of(row, with_block_size=True), []).append(row)
     for group in groups.values():
         reference = next((row for row in group if row["backend"] == "eager"), group[0])
@@ -292,5 +302,5 @@ def report(rows: list[dict], plot_path: Path | None, loss_rtol: float) -> None:
         print(tables.markdown(rows), flush=True)
     warn_on_loss_disagreement(rows, loss_rtol)
     if plot_path is not None and tables.measured_rows(rows):
-        tables.plot(rows, plot_path)
+        plots.plot(rows, plot_path)
         print(f"plot: {plot_path}", flush=True)

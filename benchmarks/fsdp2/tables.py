@@ -14,28 +14,28 @@ configuration's table is followed by each backend's memory per token: the slope 
 the shortest and the longest sequence, in MB (10^6 bytes) per token (``TokenSlope``). With
 ``--against`` it is also given as a multiple of that backend's slope, and the plot gets a panel of it.
 
-Nothing here imports torch: tables are made anywhere matplotlib is.
+The plots are ``plots.py``'s, the command line ``tables_cli.py``'s. Nothing here imports torch or
+matplotlib.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import shlex
 from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 
 from benchmarks.fsdp2 import backends
-from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, SEARCH_ROW, field_value, load_rows, sharding_of
+from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, SEARCH_ROW, field_value, sharding_of
 
 # The fields that make two runs comparable, apart from block size, backend and budget; in this
 # order in the headings and plot titles.
 CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
-                 "shard_mode", "autocast", "loss_mode", "optimizer", "world_size", "gpu")
+                 "shard_mode", "head_unit", "autocast", "loss_mode", "optimizer", "world_size", "simulated", "gpu")
 SETTING_NAMES = {"model": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=", "micro_batch_size": "B=",
-                 "dtype": "", "distributed_mode": "", "shard_mode": "", "autocast": "autocast=", "loss_mode": "loss=",
-                 "optimizer": "AdamW ", "world_size": "ranks=", "gpu": "", "block_size": "T="}
+                 "dtype": "", "distributed_mode": "", "shard_mode": "", "head_unit": "head unit=", "autocast": "autocast=",
+                 "loss_mode": "loss=", "optimizer": "AdamW ", "world_size": "ranks=", "simulated": "simulated=", "gpu": "",
+                 "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
 MB = 10**6  # memory per token is in decimal megabytes, as the issues quote it
@@ -88,9 +88,18 @@ def heading(row: dict) -> str:
     loss = "" if loss_mode == FIELD_DEFAULTS["loss_mode"] else f", loss {loss_mode} (after the compiled model)"
     optimizer = field_value(row, "optimizer")
     adamw = "" if optimizer == FIELD_DEFAULTS["optimizer"] else f", AdamW {optimizer}"
+    if row["distributed_mode"] == "fsdp2" and field_value(row, "head_unit") == "own":
+        adamw += ", head and final norm in FSDP2 units of their own"
     return (f"{row['model']}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "
             f"{row['dtype']}{autocast}{loss}{adamw}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
-            f"{row['world_size']} × {row['gpu']}")
+            f"{ranks_of(row)}")
+
+
+def ranks_of(row: dict) -> str:
+    """``2 × NVIDIA H200``, or for a simulated row, that it is rank 0 of N simulated on one device."""
+    if field_value(row, "simulated"):
+        return f"SIMULATED: rank 0 of {row['world_size']} on 1 × {row['gpu']} (fake process group)"
+    return f"{row['world_size']} × {row['gpu']}"
 
 
 def saved_mib(row: dict) -> str:
@@ -124,8 +133,7 @@ RUN_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
 
 SEARCH_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("model", lambda r: f"{r['model']}, {r['n_layer']} layers, n_embd {r['n_embd']}"),
-    ("sharding", lambda r: f"{sharding_of(r)} × {r['world_size']}"),
-    ("GPU", lambda r: r["gpu"]),
+    ("sharding", lambda r: f"{sharding_of(r)} · {ranks_of(r)}"),
     ("backend", backends.label),
     ("longest T that fits", lambda r: str(r["max_block_size"]) if r["max_block_size"] is not None else "none"),
     ("first T that failed", lambda r: MISSING if r["first_failing_block_size"] is None
@@ -144,14 +152,40 @@ def table(columns: list[tuple[str, Callable[[dict], str]]], rows: list[dict]) ->
 
 def markdown(rows: list[dict]) -> str:
     """One table per configuration, rows by block size in file order (and its memory per token where
-    an invocation ran several block sizes), then the --profile tables and the search results."""
+    an invocation ran several block sizes; for simulated rows, their modelled steps), then the
+    --profile tables and the search results."""
     sections = [f"#### {heading(group[0])}\n\n" + table(RUN_COLUMNS, sorted(group, key=lambda r: r["block_size"]))
-                + per_token_section(group) for group in by_config(rows)]
+                + per_token_section(group) + modelled_step_section(group) for group in by_config(rows)]
     sections += [profile_section(row) for row in measured_rows(rows) if row.get("profile") and row["status"] == "ok"]
     searches = search_results(rows)
     if searches:
         sections.append("#### Longest sequence that fits\n\n" + table(SEARCH_COLUMNS, searches))
     return "\n\n".join(sections)
+
+
+MODELLED_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("T", lambda r: str(r["block_size"])),
+    ("backend", backends.label),
+    ("measured compute ms", lambda r: number(r.get("sim_compute_ms"), ".0f")),
+    ("all-gather ms (modelled)", lambda r: number(r.get("sim_all_gather_ms"), ".1f")),
+    ("reduce-scatter ms (modelled)", lambda r: number(r.get("sim_reduce_scatter_ms"), ".1f")),
+    ("exposed ms (modelled)", lambda r: number(r.get("sim_exposed_ms"), ".1f")),
+    ("step ms (modelled)", lambda r: number(r.get("sim_step_ms"), ".0f")),
+    ("uneven shards", lambda r: str(len(r.get("sim_uneven_parameters") or []))),
+]
+
+
+def modelled_step_section(group: list[dict]) -> str:
+    """Simulated rows: the measured compute, and the step modelled with FSDP2's collectives at the
+    rows' bus bandwidth (``step_model``): labelled modelled, never measured."""
+    modelled = [row for row in group if row["status"] == "ok" and row.get("sim_step_ms") is not None]
+    if not modelled:
+        return ""
+    bandwidths = ", ".join(f"{gbps:g}" for gbps in sorted({row["sim_bus_gbps"] for row in modelled}))
+    return (f"\n\nModelled step at {modelled[0]['world_size']} ranks and a bus bandwidth of {bandwidths} GB/s "
+            "(benchmarks/fsdp2/step_model.py: the collectives' time is modelled from their bytes, the compute is "
+            "measured; uneven shards: parameters whose rank-0 shard is padded larger than the last ranks')\n\n"
+            + table(MODELLED_COLUMNS, sorted(modelled, key=lambda r: r["block_size"])))
 
 
 def profile_section(row: dict) -> str:
@@ -407,6 +441,10 @@ def describe_row(row: dict) -> str:
                    + ("" if pinned is None else f", pinned {pinned / GIB:.2f} GiB") + " (max over ranks)")
     parts = [f"ok: {memory}", f"{row['step_ms']:.0f} ms/step", f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU",
              f"loss {row['loss']:.4f}", f"first step {row['first_step_s']:.1f} s"]
+    if row.get("sim_step_ms") is not None:
+        parts.append(f"SIMULATED rank 0 of {row['world_size']}: measured compute {row['sim_compute_ms']:.0f} ms, "
+                     f"modelled step {row['sim_step_ms']:.0f} ms at {row['sim_bus_gbps']:g} GB/s "
+                     f"({row['sim_exposed_ms']:.1f} ms of communication exposed)")
     if row.get("memopt_pass_s"):
         passes = ", ".join(f"{name} {seconds:.2f}" for name, seconds in row["memopt_pass_s"].items())
         parts.append(f"thunder_memopt passes {sum(row['memopt_pass_s'].values()):.2f} s ({passes})")
@@ -423,182 +461,3 @@ def describe_row(row: dict) -> str:
             top = "; ".join(f"{name} {ms:.1f}" for name, ms, _ in profile[kind][:5])
             parts.append(f"{kind}: {top or MISSING}")
     return ", ".join(parts)
-
-
-def varying_fields(rows: list[dict]) -> list[str]:
-    return [field for field in (*CONFIG_FIELDS, "block_size") if len({field_value(row, field) for row in rows}) > 1]
-
-
-def setting_label(row: dict, fields: list[str]) -> str:
-    return " ".join(f"{SETTING_NAMES[field]}{field_value(row, field)}" for field in fields)
-
-
-def bar_panel(axis, rows: list[dict], value: Callable[[dict], float | None], ylabel: str) -> None:
-    """Bars per backend label, one per setting (what else varies between the rows); OOM rows marked."""
-    labels = list(dict.fromkeys(backends.label(row) for row in sorted(rows, key=summary_order)))
-    fields = varying_fields(rows)
-    settings = list(dict.fromkeys(setting_label(row, fields) for row in rows))
-    width = 0.8 / len(settings)
-    plotted = False
-    for index, setting in enumerate(settings):
-        by_label = {backends.label(row): row for row in rows if setting_label(row, fields) == setting}
-        legend_entry = setting  # on the setting's first bar only
-        for position, label in enumerate(labels):
-            row = by_label.get(label)
-            x = position - 0.4 + width * (index + 0.5)
-            if row is None:
-                continue
-            if row["status"] != "ok":
-                axis.text(x, 0, row["status"], rotation=90, ha="center", va="bottom", fontsize=8)
-            elif value(row) is not None:
-                axis.bar(x, value(row), width, color=f"C{index}", label=legend_entry)
-                legend_entry, plotted = None, True
-    axis.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-    axis.set_xlim(-0.5, len(labels) - 0.5)
-    axis.set_ylabel(ylabel)
-    if not plotted:
-        axis.text(0.5, 0.5, NOT_MEASURED, transform=axis.transAxes, ha="center")
-    elif fields:
-        axis.legend(fontsize=8)
-
-
-def coloured_labels(rows: list[dict]) -> list[str]:
-    """The labels of the rows with an allocator peak, in the tables' order: label i is drawn in colour Ci."""
-    return list(dict.fromkeys(backends.label(row) for row in sorted(filter(has_peak, rows), key=summary_order)))
-
-
-def block_size_panel(axis, rows: list[dict]) -> None:
-    """Peak allocated memory against block size: a colour per backend label, a line style per setting."""
-    fields = [field for field in varying_fields(rows) if field != "block_size"]
-    measured = list(filter(has_peak, rows))
-    labels = coloured_labels(rows)
-    settings = list(dict.fromkeys(setting_label(row, fields) for row in measured))
-    for label_index, label in enumerate(labels):
-        for setting_index, setting in enumerate(settings):
-            points = sorted((row for row in measured
-                             if backends.label(row) == label and setting_label(row, fields) == setting),
-                            key=lambda row: row["block_size"])
-            if points:
-                axis.plot([row["block_size"] for row in points], [row["peak_alloc_max"] / GIB for row in points],
-                          marker="o", color=f"C{label_index}", linestyle=LINE_STYLES[setting_index % len(LINE_STYLES)],
-                          label=f"{label} {setting}".strip())
-    axis.set_xlabel("block size T (tokens)")
-    axis.set_ylabel("peak allocated, max over ranks (GiB)")
-    if measured:
-        axis.legend(fontsize=7)
-    else:
-        axis.text(0.5, 0.5, NOT_MEASURED, transform=axis.transAxes, ha="center")
-
-
-def per_token_panel(axis, slopes: list[TokenSlope], fields: list[str], labels: list[str]) -> None:
-    """A bar of memory per token (MB) per backend label and invocation, in the colour of its line in
-    block_size_panel (``labels``: coloured_labels); ``fields``: the configuration fields that vary
-    between the slopes, named under the bars."""
-    slopes = sorted(slopes, key=lambda slope: summary_order(slope.first))
-    names = [f"{slope.label} {setting_label(slope.first, fields)}".strip() for slope in slopes]
-    if len(set(names)) < len(names):  # one label from several invocations
-        names = [f"{name} {slope.first['date'][5:16]}" for name, slope in zip(names, slopes)]
-    values = [slope.bytes_per_token() for slope in slopes]
-    for position, (slope, value) in enumerate(zip(slopes, values)):
-        if value is not None:
-            axis.bar(position, value / MB, 0.6, color=f"C{labels.index(slope.label)}")
-        else:
-            axis.text(position, 0, "not measured" if slope.not_measured() else MISSING, rotation=90, ha="center",
-                      va="bottom", fontsize=8)
-    axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    axis.set_xlim(-0.5, len(names) - 0.5)
-    axis.set_ylabel("memory per token, MB (10^6 bytes): slope of the peak")
-    if all(value is None for value in values):
-        axis.text(0.5, 0.5, NOT_MEASURED, transform=axis.transAxes, ha="center")
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only backend (no display on the GPU host or in CI)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    """Peak memory and step time per backend, memory against block size when several were run, and
-    memory per token where one invocation ran a backend at several."""
-    plt = pyplot()
-    runs = measured_rows(rows)
-    several_block_sizes = len({row["block_size"] for row in runs}) > 1
-    slopes = [slope for group in by_config(rows) for slope in token_slopes(group)]
-    panels = 2 + several_block_sizes + bool(slopes)
-    figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 5))
-    bar_panel(axes[0], runs, lambda r: None if r.get("peak_alloc_max") is None else r["peak_alloc_max"] / GIB,
-              "peak allocated, max over ranks (GiB)")
-    bar_panel(axes[1], runs, lambda r: r.get("step_ms"), "median step time (ms)")
-    if several_block_sizes:
-        block_size_panel(axes[2], runs)
-    if slopes:
-        per_token_panel(axes[-1], slopes, [field for field in varying_fields(runs) if field != "block_size"],
-                        coloured_labels(runs))
-    varying = varying_fields(runs)
-    common = [field for field in CONFIG_FIELDS if field not in varying]
-    figure.suptitle(setting_label(runs[0], common), fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def plot_search(rows: list[dict], path: Path) -> None:
-    """--find-max-block-size: each backend's probes, peak reserved against T (a cross where it ran out
-    of memory), the longest T that fit marked, and the most the allocator could reserve."""
-    plt = pyplot()
-    probes = [row for row in rows if row.get("row_type") == RUN_ROW and row.get("search")]
-    figure, axis = plt.subplots(figsize=(10, 5))
-    for index, result in enumerate(search_results(rows)):
-        label, colour = backends.label(result), f"C{index}"
-        mine = sorted((row for row in probes if backends.label(row) == label), key=lambda row: row["block_size"])
-        fitting = [row for row in mine if row["status"] == "ok" and row.get("peak_reserved_max") is not None]
-        axis.plot([row["block_size"] for row in fitting], [row["peak_reserved_max"] / GIB for row in fitting],
-                  marker="o", color=colour, label=f"{label}: longest T {result['max_block_size']}")
-        for row in mine:
-            if row["status"] != "ok":
-                axis.plot(row["block_size"], fitting[-1]["peak_reserved_max"] / GIB if fitting else 0,
-                          marker="x", color=colour, markersize=9)
-        if result["max_block_size"] is not None:
-            axis.axvline(result["max_block_size"], color=colour, linestyle=":")
-    reservable = [row["reservable_bytes"] for row in probes if row.get("reservable_bytes")]
-    if reservable:
-        axis.axhline(min(reservable) / GIB, color="grey", linestyle="--", label="reservable (free + held)")
-    axis.set_xlabel("block size T (tokens); x: out of memory")
-    axis.set_ylabel("peak reserved, max over ranks (GiB)")
-    axis.legend(fontsize=8)
-    first = probes[0] if probes else rows[0]
-    figure.suptitle(f"longest T that fits\n{heading(first)}", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", type=Path, help="JSON lines files from benchmark_fsdp2.py")
-    parser.add_argument("--plot", type=Path, help="also write this PNG")
-    parser.add_argument("--summary", action="store_true",
-                        help="one row per backend, a column per block size: peak GiB / step ms")
-    parser.add_argument("--latest-code", action="store_true",
-                        help="leave out thunder+memopt rows written before thunder_memopt's executors")
-    parser.add_argument("--against", choices=list(backends.BACKENDS), metavar="BACKEND",
-                        help="each backend's peak and step as a multiple of this one's, between rows of one invocation")
-    args = parser.parse_args(argv)
-    rows = latest(load_rows(args.results))
-    if args.latest_code:
-        rows = [row for row in rows if written_by_current_code(row)]
-    if args.against:
-        print(ratios(rows, args.against))
-    else:
-        print(summary(rows) if args.summary else markdown(rows))
-    if args.plot is not None and measured_rows(rows):
-        plot(rows, args.plot)
-    elif args.plot is not None and search_results(rows):
-        plot_search(rows, args.plot)
-
-

@@ -26,6 +26,11 @@ LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
 OPTIMIZERS = ("foreach", "fused")
 DISTRIBUTED_MODES = ("fsdp2", "thunder-fsdp", "none")
 SHARD_MODES = ("zero2", "zero3")
+# fsdp2's units for the head: the final norm, the head and the in-graph loss in the root's unit
+# (root), or the head and the final norm each a unit of their own and the loss after the GPT's root
+# unit (own), the benchmark's layout until commit a818edf: rows written before it ran own.
+HEAD_UNITS = ("root", "own")
+HEAD_IN_ROOT_SINCE = "2026-12-01T11:09:31+00:00"
 # row_type: a measured run (a --find-max-block-size probe too), or a search's summary.
 RUN_ROW = "run"
 SEARCH_ROW = "max_block_size"
@@ -33,7 +38,7 @@ SEARCH_ROW = "max_block_size"
 # probe that ends otherwise stops its search.
 FINAL_STATUSES = ("ok", "OOM")
 # Fields added later: rows written before them had these values.
-FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph", "optimizer": "foreach"}
+FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph", "optimizer": "foreach", "simulated": False}
 # The profiler's kernel names run to hundreds of characters of templates: a row keeps this many.
 KERNEL_NAME_CHARS = 90
 
@@ -64,9 +69,19 @@ class Numerics:
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
+    """How the model is sharded, over how many ranks. ``simulated``: one process plays rank 0 of
+    ``world_size`` under the fake process group (``--simulate-world-size``, ``simulation.py``)."""
+
     distributed_mode: str  # one of DISTRIBUTED_MODES
     shard_mode: str  # one of SHARD_MODES
     world_size: int
+    simulated: bool = False
+    head_unit: str = "root"  # one of HEAD_UNITS (fsdp2)
+
+    @property
+    def processes(self) -> int:
+        """The ranks the driver launches: one when simulated."""
+        return 1 if self.simulated else self.world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +143,8 @@ class Trial:
         for group_name, group_type in _GROUP_TYPES.items():
             given = {}
             for field in dataclasses.fields(group_type):
-                if field.name in values:
-                    given[field.name] = values[field.name]
-                elif field.name in FIELD_DEFAULTS:
-                    given[field.name] = FIELD_DEFAULTS[field.name]
+                if field.name in values or field.name in FIELD_DEFAULTS or field.name == "head_unit":
+                    given[field.name] = field_value(values, field.name)
             if given.get("memopt_passes") is not None:
                 given["memopt_passes"] = tuple(given["memopt_passes"])  # a JSON list
             groups[group_name] = group_type(**given)
@@ -151,28 +164,6 @@ class Trial:
             by_group.setdefault(_GROUP_OF[name], {})[name] = value
         return dataclasses.replace(self, **{group: dataclasses.replace(getattr(self, group), **fields)
                                             for group, fields in by_group.items()})
-
-    def describe(self) -> str:
-        """One line for the progress output: the backend with its options, the block size and setup."""
-        from benchmarks.fsdp2.backends import BACKENDS
-
-        compilation, numerics, workload = self.compilation, self.numerics, self.workload
-        own = BACKENDS[compilation.backend].own_fields
-        options = "" if compilation.budget is None else f" budget={compilation.budget:g}"
-        if "memopt_passes" in own and compilation.memopt_passes is not None:
-            options += f" passes={'+'.join(compilation.memopt_passes)}"
-        if "fusion" in own and compilation.fusion != "on":
-            options += f" fusion={compilation.fusion}"
-        if "offload_keep" in own and compilation.offload_keep is not None:
-            options += f" keep={compilation.offload_keep:g}"
-        if numerics.autocast:
-            options += " autocast"
-        if numerics.loss_mode != "in-graph":
-            options += f" loss={numerics.loss_mode}"
-        if numerics.optimizer != FIELD_DEFAULTS["optimizer"]:
-            options += f" optimizer={numerics.optimizer}"
-        return (f"{compilation.backend}{options} T={workload.block_size} ({workload.model}, {workload.n_layer} layers, "
-                f"{sharding_of(self.key())}, world size {self.sharding.world_size})")
 
 
 def _groups(trial: Trial) -> tuple:
@@ -238,7 +229,11 @@ class SavedActivations:
 
 def field_value(row: Mapping[str, Any], field: str) -> Any:
     """``row[field]``, or for a row written before the field existed, the value it then had."""
-    return row.get(field, FIELD_DEFAULTS.get(field))
+    if field in row:
+        return row[field]
+    if field == "head_unit":  # dated: the layout changed before the field existed
+        return "own" if row.get("date", HEAD_IN_ROOT_SINCE) < HEAD_IN_ROOT_SINCE else "root"
+    return FIELD_DEFAULTS.get(field)
 
 
 def sharding_of(row: Mapping[str, Any]) -> str:

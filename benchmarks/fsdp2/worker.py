@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.fsdp2 import profiling
+from benchmarks.fsdp2 import profiling, simulation, step_model
 from benchmarks.fsdp2.backends import BACKENDS
 from benchmarks.fsdp2.trial import MemoryPeaks, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, build_model, narrow_config, next_token_loss, random_batch,
@@ -111,15 +111,17 @@ class HeadWithLoss(torch.nn.Module):
         return next_token_loss(self.head(self.gpt(input_ids)), targets)
 
 
-def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) -> None:
-    """fully_shard each Block of ``gpt`` and its embedding, then ``root`` (``gpt``, or GPTWithLoss
-    around it for the in-graph loss), whose unit holds the final norm, the head and the loss.
+def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) -> torch.nn.Module:
+    """fully_shard each Block of ``gpt`` and its embedding, then the root; returns the root.
 
-    The head and the loss share the root's unit so that they compile in one graph (each FSDP2 unit
-    is a graph of its own under torch.compile), where a compiler can fuse the head with its
-    cross-entropy (thunder_memopt's loss_head pass). Under zero2 this leaves the peak as it was:
-    every unit stays gathered from its forward to its backward, and the head's forward and backward
-    sit on either side of the peak.
+    With ``head_unit`` root (the default) the root is ``root`` (``gpt``, or HeadWithLoss around it
+    for the in-graph loss), whose unit holds the final norm, the head and the loss, so that they
+    compile in one graph (each FSDP2 unit is a graph of its own under torch.compile), where a
+    compiler can fuse the head with its cross-entropy (thunder_memopt's loss_head pass). Under zero2
+    this leaves the peak as it was: every unit stays gathered from its forward to its backward, and
+    the head's forward and backward sit on either side of the peak. With ``head_unit`` own the head
+    and the final norm are units of their own and the root is ``gpt``, the loss after it: the layout
+    of rows written before 2026-12-01 (trial.HEAD_IN_ROOT_SINCE), to compare with them.
 
     The model is built in ``trial.numerics.dtype``, and the policy computes and reduces in that
     dtype, which for bf16 makes it a no-op cast (the reference numbers: bf16 model +
@@ -132,10 +134,13 @@ def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) 
     policy = (MixedPrecisionPolicy() if trial.numerics.autocast
               else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype))
     options = {"mp_policy": policy, "reshard_after_forward": trial.sharding.shard_mode == "zero3"}
-    for block in gpt.transformer.h:
-        fully_shard(block, **options)
-    fully_shard(gpt.transformer.wte, **options)
+    own_head = trial.sharding.head_unit == "own"
+    units = [*gpt.transformer.h, gpt.transformer.wte, *((gpt.lm_head, gpt.transformer.ln_f) if own_head else ())]
+    for unit in units:
+        fully_shard(unit, **options)
+    root = gpt if own_head else root
     fully_shard(root, **options)
+    return root
 
 
 def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -> Training:
@@ -144,17 +149,18 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
     distributed_mode, loss_mode = trial.sharding.distributed_mode, trial.numerics.loss_mode
     if backend.before_sharding is not None:
         backend.before_sharding(gpt)  # before fully_shard, so FSDP2 wraps what it changed
+    head_in_root = trial.sharding.head_unit == "root" and gpt.config.final_logit_softcapping is None
     if loss_mode != "in-graph":
         module = gpt
-    elif distributed_mode == "fsdp2" and gpt.config.final_logit_softcapping is None:
+    elif distributed_mode == "fsdp2" and head_in_root:
         module = HeadWithLoss(gpt)
     else:
         module = GPTWithLoss(gpt)
-    if distributed_mode == "fsdp2":
-        shard_with_fsdp2(gpt, module, trial)
+    fsdp_root = shard_with_fsdp2(gpt, module, trial) if distributed_mode == "fsdp2" else None
+    if trial.sharding.simulated:  # built on the meta device: rank 0's shards get memory now
+        simulation.materialize_shards(module, device, trial.workload.seed)
     compiled = backend.compile(module, trial, device)
-    return Training(with_loss(compiled.forward, loss_mode), compiled.parameters_owner,
-                    fsdp_root=module if distributed_mode == "fsdp2" else None,
+    return Training(with_loss(compiled.forward, loss_mode), compiled.parameters_owner, fsdp_root=fsdp_root,
                     reshard_after_forward=trial.sharding.shard_mode == "zero3",
                     autocast_device=device.type if trial.numerics.autocast else None,
                     memopt=compiled.memopt, executors=compiled.executors)
@@ -238,7 +244,9 @@ class TrainingSession:
         self.config = narrow_config(workload.model, n_layer=workload.n_layer,
                                     n_embd=workload.n_embd if workload.narrowed else None,
                                     block_size=workload.block_size)
-        gpt = build_model(self.config, dtype=DTYPES[trial.numerics.dtype], device=device, seed=workload.seed)
+        # Simulated ranks hold 1/N of a model that may not fit one device: built on meta, then sharded.
+        gpt = build_model(self.config, dtype=DTYPES[trial.numerics.dtype], seed=workload.seed,
+                          device="meta" if trial.sharding.simulated else device)
         self.training = prepare_training(gpt, trial, device)
         self.optimizer = torch.optim.AdamW(self.training.parameters_owner.parameters(), lr=LEARNING_RATE,
                                            **{trial.numerics.optimizer: True})  # foreach=True or fused=True
@@ -264,11 +272,14 @@ class TrainingSession:
             torch.cuda.reset_peak_host_memory_stats()
         snapshot = measurement.memory_snapshot if self.rank == 0 else None
         step_seconds = []
+        recorder = simulation.TimelineRecorder(device) if self.trial.sharding.simulated else None
         with (profiling.recording_memory_history(snapshot, device),
               profiling.profiler_for(measurement.profile, device) as profiler,
-              offload_executor.activity_recorded() as offload_activity):
+              offload_executor.activity_recorded() as offload_activity,
+              recorder.recording(self.optimizer) if recorder else contextlib.nullcontext()):
+            measured_step = step if recorder is None else functools.partial(recorder.step, step)
             for _ in range(measurement.iters):
-                loss, seconds = timed(step, device)
+                loss, seconds = timed(measured_step, device)
                 step_seconds.append(seconds)
         median_s = statistics.median(step_seconds)
         tokens = self.trial.workload.micro_batch_size * self.trial.workload.block_size
@@ -291,7 +302,18 @@ class TrainingSession:
             result["first_step_profile"] = profiling.first_step_summary(first_profiler)
         if snapshot is not None and device.type == "cuda":
             result["memory_snapshot"] = snapshot
+        if recorder is not None:
+            result.update(self.simulation_fields(simulation.median_timeline(recorder.timelines())))
         return result
+
+    def simulation_fields(self, timeline: step_model.Timeline) -> dict[str, Any]:
+        """A simulated row's measured timeline (the driver models its step from it), each unit's
+        compute, and the parameters whose shards are uneven (rank 0's, the largest, is measured)."""
+        uneven = simulation.uneven_parameters(self.training.parameters_owner, self.trial.sharding.world_size)
+        return {"sim_timeline": timeline.to_json(),
+                "sim_unit_ms": {unit: [round(ms, 4) for ms in times]
+                                for unit, times in step_model.unit_compute_ms(timeline).items()},
+                "sim_uneven_parameters": uneven}
 
     def measure_saved_activations(self) -> SavedActivations:
         """Bytes saved for backward by one more forward (storages, parameters excluded), per layer.
@@ -322,7 +344,9 @@ def init_distributed(trial: Trial) -> tuple[int, torch.device]:
         device = torch.device("cpu")
     if trial.sharding.distributed_mode == "none":
         return 0, device
-    if device.type == "cuda":
+    if trial.sharding.simulated:
+        simulation.init_fake_process_group(trial.sharding.world_size)
+    elif device.type == "cuda":
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
