@@ -1,4 +1,5 @@
 """What every pass shares: the one op taxonomy (``ops``), the trace utilities and rewrites
-(``trace``), the memory model (``memory``: storages, liveness, estimated peaks and what a
-forward saves) and the time model (``cost``: FLOPs, bytes moved and a device's rates). Nothing
-here changes a trace's order or its saved set by itself; the passes do."""
+(``trace``), the memory model (``views``: which tensors are views, and their strides; ``storages``:
+each tensor's bytes and storage; ``memory``: liveness, estimated peaks and what a forward saves, and
+the one import path of all three) and the time model (``cost``: FLOPs, bytes moved and a device's
+rates). Nothing here changes a trace's order or its saved set by itself; the passes do."""
