@@ -6,7 +6,7 @@ or, under ``torch.compile``/FSDP2, with ``torch.compile(model, backend=thunderfx
 """
 
 from thunder_memopt.backend import thunderfx_backend
-from thunder_memopt.executors import executors
+from thunder_memopt import executors  # the package, callable: executors() is the executor list
 from thunder_memopt.transform import PASSES, MemoryOptimization
 
 __all__ = ["MemoryOptimization", "PASSES", "executors", "thunderfx_backend"]

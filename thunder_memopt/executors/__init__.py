@@ -13,9 +13,16 @@ Where nvFuser is among the default executors, ``executors()`` leaves the fusion 
 nvFuser fuses the same ops, and Thunder's rematerialization and our recompute pass both know its
 regions. Executors a user already lists (``torch_compile_ex``, ``torch_compile_cat_ex``) keep their
 place in front when the user puts them there; the fusion executor then gets what they leave.
+
+The package itself is callable: ``thunder_memopt.executors()`` is ``executors()``, and
+``thunder_memopt.executors.linear_cross_entropy`` (and the rest of ``__all__``) its attributes, so
+that the function does not hide the package it names.
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 import thunder
 from thunder.extend import Executor
@@ -78,3 +85,14 @@ def executors(*, fusion: bool = True, cudnn_attention: bool | None = None,
         # and Thunder trace the model.
         start_compile_workers()
     return [*ours, *(ex for ex in defaults if ex not in ours)]
+
+
+class _CallablePackage(types.ModuleType):
+    """This package's module type: calling the package calls ``executors``."""
+
+    def __call__(self, **options: bool | None) -> list[Executor]:
+        """``executors(**options)``: thunder_memopt's executors in front of Thunder's defaults."""
+        return executors(**options)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
