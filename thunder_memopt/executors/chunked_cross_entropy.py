@@ -34,11 +34,11 @@ from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import WORKSPACE_BYTES
+from thunder_memopt.executors._loss_checks import REDUCTIONS, check_targets, checked_options
 from thunder_memopt.executors.fusion import COMPILED_FUNCTIONS_OF, TensorMetadata, compiled_function, torch_metadata
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "REDUCTIONS"]
 
-REDUCTIONS = ("mean", "sum")
 # Bytes of one chunk's fp32 logits: big enough for efficient matmuls, small next to the activations.
 _CHUNK_LOGIT_BYTES = 128 * 2**20
 _CHUNK_MULTIPLE = 128
@@ -48,17 +48,17 @@ _MIN_CHUNKS = 8
 def chunk_tokens(tokens: int, vocab: int, *, gradients_in_forward: bool = False, device: str = "cpu") -> int:
     """Tokens per chunk: fp32 logits of about 128 MiB, and at least eight chunks where that would
     leave fewer (so that a small head's chunk is still small next to its logits), a multiple of
-    128 tokens, at most all.
+    128 tokens, at most all (and at least one, so that no input makes a step of zero).
 
     With the gradients in the forward on CUDA, all tokens: there the logits are written into the
     logits' gradient buffer, tokens x vocab anyway, and each chunk's math is one compiled kernel
     without an fp32 copy, so one chunk costs no memory and makes one whole matmul."""
     if gradients_in_forward and device == "cuda":
-        return tokens
+        return max(1, tokens)
     by_bytes = _CHUNK_LOGIT_BYTES // (4 * vocab)
     by_count = -(-tokens // _MIN_CHUNKS)
     per_chunk = max(_CHUNK_MULTIPLE, min(by_bytes, by_count) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
-    return min(tokens, per_chunk)
+    return max(1, min(tokens, per_chunk))
 
 
 def _upcast(logits, softcap):
@@ -140,8 +140,8 @@ def _run(f, *tensors, **constants):
 
 def _vocabulary_width(tokens: int, vocab: int, chunk: int) -> int:
     """Classes per slice when the backward walks the vocabulary (fewer tokens than classes): the
-    bytes of one forward chunk of ``chunk`` tokens' logits."""
-    return max(1, chunk * vocab // tokens)
+    bytes of one forward chunk of ``chunk`` tokens' logits (all classes when there are no tokens)."""
+    return max(1, chunk * vocab // tokens) if tokens else vocab
 
 
 def _spans(total: int, step: int) -> list[tuple[int, int]]:
@@ -179,7 +179,9 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
     valid = targets != ignore_index
     target = torch.where(valid, targets, 0)
     count = valid.sum()
-    row_scale = valid.float() / count if reduction == "mean" else valid.float()
+    # With every target ignored the mean loss is 0 / 0 (NaN, as cross_entropy's) but the gradients are
+    # zeros: no row is scaled by 1 / 0.
+    row_scale = valid.float() / count.clamp(min=1) if reduction == "mean" else valid.float()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     logits_grad = torch.empty((n, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
     for start, stop in _spans(n, chunk):
@@ -260,7 +262,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if gradients_in_forward:
             loss, *unit = _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, softcap,
                                                   chunk, torch.float32)
-            ctx.unit = unit  # gradients, not inputs: kept as they are
+            # Saved, so that autograd frees them after the backward, or keeps them for another
+            # with retain_graph=True.
+            ctx.save_for_backward(*unit)
             return loss
         loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, torch.float32)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
@@ -269,26 +273,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Autograd enables grad mode in a backward only for create_graph=True. The chunks' math runs
+        # in place and records no graph, so the gradients would not be differentiable.
+        if torch.is_grad_enabled():
+            raise RuntimeError("linear_cross_entropy: double backward (create_graph=True) is not supported")
         if ctx.gradients_in_forward:
-            grads, ctx.unit = _scale_impl(grad, *ctx.unit), None
+            grads = _scale_impl(grad, *ctx.saved_tensors)
         else:
             hidden, weight, bias, targets, lse = ctx.saved_tensors
             needs_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
             grads = _backward(grad, hidden, weight, bias, targets, lse, *ctx.options, needs_weight_grad)
         return (*grads, None, None, None, None, None, None)
-
-
-def _check_options(ignore_index, reduction, softcap, chunk_size, gradients_in_forward) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"linear_cross_entropy: ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"linear_cross_entropy: reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
-        raise ValueError(f"linear_cross_entropy: softcap must be None or a number > 0, got {softcap!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"linear_cross_entropy: chunk_size must be None or an int >= 1, got {chunk_size!r}")
-    if not isinstance(gradients_in_forward, bool):
-        raise TypeError(f"linear_cross_entropy: gradients_in_forward must be True or False, got {gradients_in_forward!r}")
 
 
 def linear_cross_entropy(
@@ -311,7 +306,8 @@ def linear_cross_entropy(
         targets: (...) class indices, the leading shape of ``hidden``.
         ignore_index: targets equal to it add nothing and are not counted by ``mean``.
         reduction: "mean" or "sum".
-        softcap: if given, logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft-capping).
+        softcap: if given, logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft-capping);
+            infinity caps nothing.
         chunk_size: tokens per chunk; None picks them by ``chunk_tokens``.
         gradients_in_forward: compute the gradients in the forward with the logits it has (one
             matmul less; the logits' gradient, tokens x vocab in the model's dtype, lives during
@@ -320,17 +316,18 @@ def linear_cross_entropy(
 
     Returns the fp32 scalar loss.
     """
-    _check_options(ignore_index, reduction, softcap, chunk_size, gradients_in_forward)
+    options = checked_options(ignore_index, reduction, softcap, chunk_size, gradients_in_forward)
     if hidden.shape[:-1] != targets.shape or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear_cross_entropy: expected hidden (..., C), weight (V, C) and targets (...), got "
             f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}"
         )
+    check_targets(targets, weight.shape[0], options.ignore_index)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk_size or chunk_tokens(flat.shape[0], weight.shape[0], gradients_in_forward=gradients_in_forward,
-                                       device=flat.device.type)
-    return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1), ignore_index, reduction,
-                                     None if softcap is None else float(softcap), chunk, gradients_in_forward)
+    chunk = options.chunk_size or chunk_tokens(flat.shape[0], weight.shape[0],
+                                               gradients_in_forward=gradients_in_forward, device=flat.device.type)
+    return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1), options.ignore_index, options.reduction,
+                                     options.softcap, chunk, gradients_in_forward)
 
 
 # The Thunder executor and its symbols. ``head_loss`` is what the loss_head pass puts in a trace; its
