@@ -64,7 +64,7 @@ from thunder_memopt.core.cost import DeviceRates
 from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
-from thunder_memopt.passes import loss_head, schedule
+from thunder_memopt.passes import collectives, loss_head, schedule
 from thunder_memopt.passes import offload as offload_module
 from thunder_memopt.stages import (
     CollectivesStage,
@@ -140,8 +140,7 @@ class MemoryOptimization(Transform):
         if isinstance(passes, str) or not isinstance(passes, Iterable):
             raise TypeError(f"passes must be a sequence of pass names from {list(PASSES)}, got {passes!r}")
         passes = tuple(passes)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
-            raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        prefetch = collectives.checked_prefetch(prefetch)
         if zero3 is not None and not isinstance(zero3, bool):
             raise TypeError(f"zero3 must be None, True or False, got {zero3!r}")
         modes = [m.value for m in offload_module.OffloadMode]

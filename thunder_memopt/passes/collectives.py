@@ -23,6 +23,7 @@ it runs after the recompute pass on both traces.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,6 +51,7 @@ __all__ = [
     "REDUCE_SCATTER",
     "Zero3Plan",
     "CollectivesPass",
+    "checked_prefetch",
     "is_zero3_module",
     "schedule_all_gathers",
     "schedule_reduce_scatters",
@@ -260,6 +262,20 @@ def plan_zero3(forward_trace: TraceCtx) -> Zero3Plan:
     )
 
 
+def checked_prefetch(prefetch: object) -> int:
+    """``prefetch`` as an int (any integral number, numpy's too, but a bool): a TypeError naming
+    it for another type, a ValueError for a negative one."""
+    if isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    try:
+        value = operator.index(prefetch)
+    except TypeError:
+        raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}") from None
+    if value < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class CollectivesPass:
     """The collective passes of one transform instance: a forward returns the ZeRO-3 plan that the
@@ -275,8 +291,7 @@ class CollectivesPass:
     zero3: bool | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be a non-negative int, got {self.prefetch!r}")
+        object.__setattr__(self, "prefetch", checked_prefetch(self.prefetch))  # frozen: set once, checked
 
     def forward(self, trace: TraceCtx) -> tuple[TraceCtx, Zero3Plan | None]:
         """The forward scheduled, and the ZeRO-3 plan its backward must follow (None: nothing to re-gather)."""
