@@ -9,7 +9,8 @@ compute from those that would stall it (``op_seconds``, on a roofline of a ``Dev
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields
 
 import torch
 from thunder.core.symbol import BoundSymbol
@@ -29,6 +30,16 @@ class DeviceRates:
     to_device: float  # pinned host -> device copies
     flops: float  # a large bf16 matmul
     memory: float  # device memory (bytes read plus written by a copy)
+
+    def __post_init__(self) -> None:
+        # Each rate divides a size into seconds: zero, negative or NaN would make every plan wrong.
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"DeviceRates: {field.name} must be a number > 0, got {value!r}")
+            if not value > 0:
+                raise ValueError(f"DeviceRates: {field.name} must be > 0, got {value!r}")
+            object.__setattr__(self, field.name, float(value))  # frozen: numpy's scalars become floats once
 
 
 def estimate_flops(bsym: BoundSymbol) -> int:
