@@ -9,16 +9,64 @@ With ``torch._dynamo.config.skip_fsdp_hooks=False`` FSDP2's functional collectiv
 backend, and Thunder maps ``wait_tensor`` to identity: the results are wrong. The backend hides
 those nodes from Thunder (``keep_collectives_out_of_thunder``), so its splitter hands them to
 inductor, which implements them.
+
+Its options are checked when it is built, not at the first call inside dynamo: ``transforms`` and
+``executors`` by type, and any other keyword by name, against what Thunder 0.2.6 reads
+(``THUNDER_OPTIONS``), since ThunderCompiler passes every keyword on to ``thunder.jit``, which
+takes any name and ignores those it does not know.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from typing import Any
+
+import thunder
+from thunder.core.transform_common import Transform
+from thunder.extend import Executor, get_executor
 
 from thunder_memopt.executors import executors
 from thunder_memopt.transform import MemoryOptimization
 
-__all__ = ["keep_collectives_out_of_thunder", "thunderfx_backend"]
+__all__ = ["THUNDER_OPTIONS", "keep_collectives_out_of_thunder", "thunderfx_backend"]
+
+# thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
+# version) and its ThunderCompiler read: ``get_compile_option``'s names and ``compile_options``'s keys.
+THUNDER_OPTIONS = frozenset(
+    {name for name, p in inspect.signature(thunder.jit).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    | {
+        "auto_recompute_intermediates", "cudnn_sdpa_bwd_may_cat_grad_qkv", "disable_inplace_copy_check",
+        "disable_replace_uniform", "fp8_shard_intermediate_activation", "fusion_type", "nv_disable_options",
+        "nv_enable_embedding", "nv_enable_linear", "nv_enable_matmul", "nv_enable_options", "nv_enable_scatter",
+        "nv_enable_sdpa", "nv_enable_shape_only_fusion", "nv_save_fake_inputs", "nv_skip_cache",
+        "nv_store_fusion_inputs", "sdpa_debug", "skip_inplace_alias_updates", "te_fp8_recipe",
+        "thunderfx_disable_split_autograd", "torch_compile_fullgraph", "use_apex_cross_entropy",
+    }
+)
+
+
+def _check_list(name: str, value: object, is_item, what: str) -> None:
+    """``value`` must be a list or tuple of items that ``is_item`` accepts: a TypeError naming
+    ``name`` (and the first bad item) otherwise."""
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"thunderfx_backend: {name} must be a list of {what}, got {value!r}")
+    bad = next((item for item in value if not is_item(item)), None)
+    if bad is not None:
+        raise TypeError(f"thunderfx_backend: {name} must be a list of {what}, got the item {bad!r}")
+
+
+def _check_thunder_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - THUNDER_OPTIONS)
+    if unknown:
+        raise TypeError(f"thunderfx_backend: unknown option {unknown[0]!r} (neither thunderfx_backend's, "
+                        f"nor a thunder.jit or Thunder compile option)")
+    if "transforms" in options:
+        _check_list("transforms", options["transforms"], lambda t: isinstance(t, Transform), "thunder Transforms")
+    if "executors" in options:
+        _check_list("executors", options["executors"],
+                    lambda e: isinstance(e, Executor) or (isinstance(e, str) and get_executor(e) is not None),
+                    "thunder Executors or names of registered executors")
 
 
 def thunderfx_backend(
@@ -33,7 +81,8 @@ def thunderfx_backend(
 
     ``fusion``, ``cudnn_attention`` and ``loss_head`` choose thunder_memopt's executors (``executors()``), unless
     ``executors=`` is given among the ThunderCompiler options; ``fusion=False`` keeps every op as
-    plain Thunder runs it, bit for bit.
+    plain Thunder runs it, bit for bit. ``thunder_options``: thunder.jit's options and Thunder's
+    compile options (``THUNDER_OPTIONS``), passed on; ``transforms`` run after ``memory_optimization``.
     """
     from thunder.dynamo import ThunderCompiler
 
@@ -42,6 +91,7 @@ def thunderfx_backend(
             "thunderfx_backend: memory_optimization must be a MemoryOptimization instance or None, "
             f"got {memory_optimization!r}"
         )
+    _check_thunder_options(thunder_options)
     chosen = executors(fusion=fusion, cudnn_attention=cudnn_attention, loss_head=loss_head)
     thunder_options.setdefault("executors", chosen)
     transform = memory_optimization if memory_optimization is not None else MemoryOptimization()
