@@ -1,10 +1,14 @@
 """The memory report: what a litgpt model saves for backward under plain Thunder and with
-MemoryOptimization, and the estimated and measured peak of a training step.
+MemoryOptimization on the recommended executors (``thunder_memopt.executors()``: the fused loss
+head; the fusion executor's regions on CUDA), and the estimated and measured peak of a training step.
 
 Saved bytes per layer come from the marginal between two layer counts, so that the embedding and
 the head do not distort them, and are also given in h-bytes per token per layer: bytes divided by
 tokens x n_embd. Everything printed is computed from the real traces and from
 ``saved_tensors_hooks`` during a real forward; nothing is typed in.
+
+The report runs ``thunder.jit``, which cannot trace mixture-of-experts models (``torch.where`` with
+a condition alone): those are refused up front, and train through ``thunderfx_backend()``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import thunder
 import torch
 
+from thunder_memopt import executors
 from thunder_memopt.arguments import device_name, fraction, litgpt_model_name, narrow_width, non_negative_int, positive_int
 from thunder_memopt.core.memory import SavedInventory, estimate_step, saved_for_backward
 from thunder_memopt.measure import measure_saved, peak_live_bytes
@@ -44,8 +49,10 @@ class Column:
     schedule: tuple  # thunder_memopt.passes.schedule.ScheduleResult of the forward and backward, if it ran
 
 
-def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int]) -> Column:
-    """Saved bytes at both layer counts, inventory and peaks at the larger."""
+def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int],
+                   executor_list: Sequence | None = None) -> Column:
+    """Saved bytes at both layer counts, inventory and peaks at the larger, under thunder.jit with
+    ``executor_list`` (None: Thunder's defaults)."""
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     saved, result = [], None
@@ -54,7 +61,7 @@ def measure_column(name: str, args: argparse.Namespace, transforms_factory, laye
         model = build_model(cfg, dtype=dtype, device=device)
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device)
         transforms = transforms_factory()
-        jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), transforms=transforms)
+        jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), executors=executor_list, transforms=transforms)
         start = time.perf_counter()
         measured = measure_saved(jitted, x, y, parameters=[*model.parameters(), *model.buffers()])
         seconds = time.perf_counter() - start
@@ -97,12 +104,13 @@ def _measured_peak(model, jitted, x, y, device: torch.device) -> int:
 
 
 def _train_a_few_steps(args: argparse.Namespace) -> None:
-    """The demo's training: a few AdamW steps under thunder.jit with MemoryOptimization."""
+    """The demo's training: a few AdamW steps under thunder.jit with MemoryOptimization and the
+    recommended executors."""
     device = torch.device(args.device)
     cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd, block_size=args.block_size)
     model = build_model(cfg, dtype=DTYPES[args.dtype], device=device)
     transforms = [MemoryOptimization(activation_budget=args.budget)]
-    jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), transforms=transforms)
+    jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), executors=executors(), transforms=transforms)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.train_steps):
         x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device, seed=step)
@@ -182,7 +190,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.n_embd = 256
     from litgpt import Config
 
-    args.n_embd_effective = args.n_embd or Config.from_name(args.model_name).n_embd
+    config = Config.from_name(args.model_name)
+    if config.n_expert:
+        p.error(f"--model-name {args.model_name} is a mixture-of-experts model, which thunder.jit (the "
+                "report's) cannot trace; train it through thunderfx_backend() or ThunderCompiler")
+    args.n_embd_effective = args.n_embd or config.n_embd
     return args
 
 
@@ -196,10 +208,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     columns = [
         measure_column("plain Thunder", args, list, layer_counts),
         measure_column(
-            f"MemoryOptimization (budget {args.budget})",
+            f"MemoryOptimization (budget {args.budget}), executors()",
             args,
             lambda: [MemoryOptimization(activation_budget=args.budget)],
             layer_counts,
+            executors(),
         ),
     ]
     print()
