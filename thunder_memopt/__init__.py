@@ -3,11 +3,27 @@ that make it as fast as torch.compile without nvFuser.
 
 Enable with ``thunder.jit(model, executors=thunder_memopt.executors(), transforms=[MemoryOptimization()])``
 or, under ``torch.compile``/FSDP2, with ``torch.compile(model, backend=thunderfx_backend())``.
+
+``__version__`` is the installed distribution's, whose one source is pyproject.toml.
 """
 
-from thunder_memopt.backend import thunderfx_backend
+from importlib.metadata import PackageNotFoundError, version
+
 from thunder_memopt import executors  # the package, callable: executors() is the executor list
+from thunder_memopt.backend import thunderfx_backend
+from thunder_memopt.core.cost import DeviceRates
 from thunder_memopt.transform import PASSES, MemoryOptimization
 
-__all__ = ["MemoryOptimization", "PASSES", "executors", "thunderfx_backend"]
-__version__ = "0.1.0"
+__all__ = [
+    "DeviceRates",
+    "MemoryOptimization",
+    "PASSES",
+    "__version__",
+    "executors",
+    "thunderfx_backend",
+]
+
+try:
+    __version__ = version("thunder-memopt")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "unknown"
