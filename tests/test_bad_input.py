@@ -1,6 +1,10 @@
 """Bad options get an exception that names them, when the object is built; inference traces are
-understood (no warning from MemoryOptimization)."""
+understood (no warning from MemoryOptimization). The fused loss function takes what
+``torch.nn.functional.cross_entropy`` takes, with its values, and rejects what it rejects, with its
+exception types. The package's public names, version and command line are what they say."""
 
+import importlib.metadata
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -9,8 +13,11 @@ import numpy as np
 import pytest
 import thunder
 import torch
+import torch.nn.functional as F
 
-from thunder_memopt import MemoryOptimization, thunderfx_backend
+import thunder_memopt
+from thunder_memopt import DeviceRates, MemoryOptimization, thunderfx_backend
+from thunder_memopt.executors import linear_cross_entropy
 from thunder_memopt.models import build_model, narrow_config, random_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.fsdp2
@@ -27,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
         ({"passes": None}, TypeError, "passes"),
         ({"passes": "recompute"}, TypeError, "passes"),
         ({"passes": ("recompute", "fuse_everything")}, ValueError, "pass names"),
-        ({"prefetch": -1}, TypeError, "prefetch"),
+        ({"prefetch": -1}, ValueError, "prefetch"),
+        ({"prefetch": np.int64(-1)}, ValueError, "prefetch"),
+        ({"prefetch": "2"}, TypeError, "prefetch"),
         ({"prefetch": 1.5}, TypeError, "prefetch"),
         ({"prefetch": True}, TypeError, "prefetch"),
         ({"zero3": "no"}, TypeError, "zero3"),
@@ -52,6 +61,38 @@ def test_any_real_budget_in_range_is_accepted(budget):
     assert MemoryOptimization(activation_budget=budget).activation_budget == float(budget)
 
 
+@pytest.mark.parametrize("prefetch", [0, 3, np.int64(3), np.int32(1)])
+def test_any_integral_prefetch_is_accepted(prefetch):
+    from thunder_memopt.passes.collectives import CollectivesPass
+
+    MemoryOptimization(prefetch=prefetch)
+    checked = CollectivesPass(prefetch=prefetch).prefetch
+    assert checked == int(prefetch) and type(checked) is int
+
+
+@pytest.mark.parametrize(
+    "rates, error, named",
+    [
+        ((0, 0, 0, 0), ValueError, "to_host"),
+        ((50e9, -1.0, 1e12, 1e12), ValueError, "to_device"),
+        ((50e9, 50e9, 0.0, 1e12), ValueError, "flops"),
+        ((50e9, 50e9, 1e12, float("nan")), ValueError, "memory"),
+        ((50e9, "fast", 1e12, 1e12), TypeError, "to_device"),
+        ((True, 50e9, 1e12, 1e12), TypeError, "to_host"),
+    ],
+)
+def test_device_rates_reject_rates_that_are_not_positive_numbers(rates, error, named):
+    with pytest.raises(error, match=named) as raised:
+        DeviceRates(*rates)
+    assert "\n" not in str(raised.value)
+
+
+def test_device_rates_take_numpy_scalars_as_floats():
+    rates = DeviceRates(np.float64(50e9), np.float32(50e9), np.int64(10**12), 4e12)
+    assert all(type(r) is float for r in (rates.to_host, rates.to_device, rates.flops, rates.memory))
+    assert rates.flops == 1e12
+
+
 @pytest.mark.parametrize(
     "args, kwargs, named",
     [
@@ -60,11 +101,26 @@ def test_any_real_budget_in_range_is_accepted(budget):
         ((), {"fusion": "no"}, "fusion"),
         ((), {"cudnn_attention": 0}, "cudnn_attention"),
         ((), {"loss_head": "yes"}, "loss_head"),
+        ((), {"transforms": [1]}, "transforms"),
+        ((), {"transforms": MemoryOptimization()}, "transforms"),
+        ((), {"executors": "foo"}, "executors"),
+        ((), {"executors": ["no_such_executor"]}, "executors"),
+        ((), {"bogus_option": 1}, "bogus_option"),
     ],
 )
 def test_thunderfx_backend_rejects_bad_arguments_when_built(args, kwargs, named):
     with pytest.raises(TypeError, match=named):
         thunderfx_backend(*args, **kwargs)
+
+
+def test_thunderfx_backend_passes_thunder_options_on():
+    """thunder.jit's options and Thunder's compile options reach ThunderCompiler as given."""
+    from thunder.extend import get_executor
+
+    options = {"fusion_type": "dataflow", "sharp_edges": "allow", "skip_inplace_alias_updates": True,
+               "executors": ["sdpa", get_executor("torch")]}
+    passed = thunderfx_backend(**options).compiler.thunder_options
+    assert {name: passed[name] for name in options} == options
 
 
 @pytest.mark.parametrize("model_name", ["stablecode-completion-alpha-3b", "Llama-3-8B"])
@@ -109,6 +165,9 @@ def _one_line_usage_error(parse, argv, capsys) -> str:
         (["--top", "-1"], "--top"),
         (["--budget", "1.5"], "--budget"),
         (["--n-layer", "1"], "--n-layer"),
+        # Mixture of experts: thunder.jit (the report's) cannot trace it; ThunderCompiler can.
+        (["--model-name", "Mixtral-8x7B-v0.1"], "--model-name Mixtral-8x7B-v0.1 is a mixture-of-experts model"),
+        (["--model-name", "Qwen3-30B-A3B"], "ThunderCompiler"),
     ],
 )
 def test_report_flags_with_bad_values_are_one_line_errors(argv, named, capsys):
@@ -145,3 +204,183 @@ def test_benchmark_flags_with_bad_values_fail_before_any_process_starts(argv, na
     from benchmarks.fsdp2.cli import parse_args
 
     assert named in _one_line_usage_error(parse_args, argv, capsys)
+
+
+# The fused loss function against torch.nn.functional.cross_entropy of the linear's fp32 logits.
+VOCAB, WIDTH, TOKENS = 50, 8, 16
+
+
+def _head(tokens: int = TOKENS):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, WIDTH, generator=g, requires_grad=True)
+    weight = torch.randn(VOCAB, WIDTH, generator=g, requires_grad=True)
+    return hidden, weight, torch.randint(0, VOCAB, (tokens,), generator=g)
+
+
+def _cross_entropy(hidden, weight, targets, *, softcap=None, ignore_index=-100, reduction="mean", **_):
+    logits = F.linear(hidden, weight).float()
+    if softcap is not None and math.isfinite(softcap):
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def _all_ignored(hidden, targets):
+    return hidden, torch.full_like(targets, -100)
+
+
+def _empty(hidden, targets):
+    return hidden[:0], targets[:0]
+
+
+def _unchanged(hidden, targets):
+    return hidden, targets
+
+
+@pytest.mark.parametrize("gradients_in_forward", [False, True])
+@pytest.mark.parametrize(
+    "inputs, options",
+    [
+        (_all_ignored, {}),  # mean: NaN loss, zero gradients
+        (_all_ignored, {"reduction": "sum"}),
+        (_empty, {}),  # NaN
+        (_empty, {"reduction": "sum"}),  # 0
+        (_unchanged, {"softcap": float("inf")}),  # no cap
+        (_unchanged, {"softcap": np.float32(30)}),
+        (_unchanged, {"chunk_size": np.int64(4)}),
+        (_unchanged, {"ignore_index": np.int64(3)}),
+    ],
+)
+def test_loss_function_gives_cross_entropys_values(inputs, options, gradients_in_forward):
+    hidden, weight, targets = _head()
+    used, targets = inputs(hidden, targets)
+    expected = _cross_entropy(used, weight, targets, **options)
+    expected_grads = torch.autograd.grad(expected, [hidden, weight])
+    got = linear_cross_entropy(used, weight, targets, gradients_in_forward=gradients_in_forward, **options)
+    got_grads = torch.autograd.grad(got, [hidden, weight])
+    torch.testing.assert_close(got, expected, equal_nan=True, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, expected_grads):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        torch.full((TOKENS,), VOCAB),  # IndexError: Target 50 is out of bounds.
+        torch.full((TOKENS,), -3),
+        torch.ones(TOKENS, dtype=torch.bool),  # RuntimeError
+        torch.ones(TOKENS),
+    ],
+    ids=["above", "negative", "bool", "float"],
+)
+def test_loss_function_rejects_cross_entropys_bad_targets_with_its_exception(targets):
+    hidden, weight, _ = _head()
+    with pytest.raises(Exception) as expected:
+        _cross_entropy(hidden, weight, targets)
+    for gradients_in_forward in (False, True):
+        with pytest.raises(type(expected.value)) as got:
+            linear_cross_entropy(hidden, weight, targets, gradients_in_forward=gradients_in_forward)
+        assert "\n" not in str(got.value)
+        if isinstance(expected.value, IndexError):
+            assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize(
+    "options, error, named",
+    [
+        ({"softcap": float("nan")}, ValueError, "softcap"),
+        ({"softcap": -1.0}, ValueError, "softcap"),
+        ({"softcap": "30"}, TypeError, "softcap"),
+        ({"softcap": True}, TypeError, "softcap"),
+        ({"chunk_size": 1.5}, TypeError, "chunk_size"),
+        ({"chunk_size": True}, TypeError, "chunk_size"),
+        ({"chunk_size": np.int64(-4)}, ValueError, "chunk_size"),
+        ({"ignore_index": np.float32(1)}, TypeError, "ignore_index"),
+    ],
+)
+def test_loss_function_rejects_bad_options_naming_them(options, error, named):
+    hidden, weight, targets = _head()
+    with pytest.raises(error, match=named) as raised:
+        linear_cross_entropy(hidden, weight, targets, **options)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("gradients_in_forward", [False, True])
+def test_loss_function_accumulates_over_a_retained_graph_like_cross_entropy(gradients_in_forward):
+    def twice(loss_of):
+        hidden, weight, targets = _head()
+        loss = loss_of(hidden, weight, targets)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return hidden.grad, weight.grad
+
+    expected = twice(_cross_entropy)
+    got = twice(lambda h, w, t: linear_cross_entropy(h, w, t, gradients_in_forward=gradients_in_forward))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gradients_in_forward", [False, True])
+def test_loss_function_double_backward_is_a_one_line_error(gradients_in_forward):
+    hidden, weight, targets = _head()
+    loss = linear_cross_entropy(hidden, weight, targets, gradients_in_forward=gradients_in_forward)
+    with pytest.raises(RuntimeError, match=r"^linear_cross_entropy: double backward \(create_graph=True\) is not supported$"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+
+
+# The package: its public names, its version and its command line.
+def test_executors_is_callable_and_keeps_the_packages_attributes():
+    from thunder_memopt.executors import chunked_cross_entropy, executors, fusion
+
+    package = thunder_memopt.executors
+    assert package.linear_cross_entropy is chunked_cross_entropy.linear_cross_entropy
+    assert package.compile_stats is fusion.compile_stats
+    assert package.fusion_ex.name == "memopt_fusion"
+    assert package() == executors() and package(fusion=False) == executors(fusion=False)
+
+
+@pytest.mark.parametrize("module", ["thunder_memopt", "thunder_memopt.executors"])
+def test_every_public_name_is_defined(module):
+    public = sys.modules[module].__all__
+    assert public and all(hasattr(sys.modules[module], name) for name in public)
+
+
+def test_the_version_is_pyprojects():
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert thunder_memopt.__version__ == pyproject["project"]["version"] == importlib.metadata.version("thunder-memopt")
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["thunder_memopt"]
+    assert (Path(thunder_memopt.__file__).parent / "py.typed").is_file()
+
+
+@pytest.mark.parametrize("argv", [["reprot"], [], ["--bogus", "report"]])
+def test_command_line_mistakes_are_usage_errors(argv, capsys):
+    from thunder_memopt.__main__ import main
+
+    _one_line_usage_error(main, argv, capsys)
+
+
+def test_command_line_prints_its_version(capsys):
+    from thunder_memopt.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"thunder_memopt {thunder_memopt.__version__}"
+
+
+def test_report_measures_memory_optimization_on_the_recommended_executors(monkeypatch, capsys):
+    """Plain Thunder on Thunder's executors; MemoryOptimization on thunder_memopt.executors()."""
+    from thunder_memopt import report
+
+    measured = {}
+
+    def measure_column(name, args, transforms_factory, layer_counts, executor_list=None):
+        measured[name] = executor_list
+        return name
+
+    monkeypatch.setattr(report, "measure_column", measure_column)
+    monkeypatch.setattr(report, "format_report", lambda args, columns, layer_counts: "")
+    report.main(["--train-steps", "0"])
+    plain, optimized = measured.values()
+    assert plain is None and optimized == thunder_memopt.executors()
