@@ -324,7 +324,8 @@ def test_loss_function_accumulates_over_a_retained_graph_like_cross_entropy(grad
 def test_loss_function_double_backward_is_a_one_line_error(gradients_in_forward):
     hidden, weight, targets = _head()
     loss = linear_cross_entropy(hidden, weight, targets, gradients_in_forward=gradients_in_forward)
-    with pytest.raises(RuntimeError, match=r"^linear_cross_entropy: double backward \(create_graph=True\) is not supported$"):
+    message = r"^linear_cross_entropy: double backward \(create_graph=True\) is not supported$"
+    with pytest.raises(RuntimeError, match=message):
         torch.autograd.grad(loss, hidden, create_graph=True)
 
 

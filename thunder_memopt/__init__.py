@@ -7,7 +7,7 @@ or, under ``torch.compile``/FSDP2, with ``torch.compile(model, backend=thunderfx
 ``__version__`` is the installed distribution's, whose one source is pyproject.toml.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib.metadata
 
 from thunder_memopt import executors  # the package, callable: executors() is the executor list
 from thunder_memopt.backend import thunderfx_backend
@@ -18,12 +18,11 @@ __all__ = [
     "DeviceRates",
     "MemoryOptimization",
     "PASSES",
-    "__version__",
     "executors",
     "thunderfx_backend",
 ]
 
 try:
-    __version__ = version("thunder-memopt")
-except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = importlib.metadata.version("thunder-memopt")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "unknown"

@@ -16,7 +16,8 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m thunder_memopt", description=thunder_memopt.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m thunder_memopt",
+                                     description=thunder_memopt.__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"thunder_memopt {thunder_memopt.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # The report's own parser (thunder_memopt.report.parse_args) documents and checks its options.
