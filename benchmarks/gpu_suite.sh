@@ -53,12 +53,19 @@
 #                   its own as in the 2 x H200 rows of 2026-11-29/30 (--head-unit own): eager, eager-ac, inductor,
 #                   inductor-budget and thunder, to hold against those rows
 #   sim-llama3-8b   SIMULATED rank 0 of 8: Llama-3-8B, 32 layers, T=8192, zero2, every backend
+#   sim-llama3-8b-budgets
+#                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at budgets 1.0, 0.9
+#                   and 0.75 in one invocation
 #   sim-sc32        SIMULATED rank 0 of 8: stablecode 32 layers, zero2, T=8192 and 16384 in one invocation,
 #                   every backend
 #   sim-sc32-maxT-inductor sim-sc32-maxT-memopt sim-sc32-maxT-offload sim-sc32-maxT-eager-ac
 #                   SIMULATED rank 0 of 8: the longest T that fits, stablecode 32 layers, zero2
 #   sim-llama3-70b  SIMULATED rank 0 of 64: Llama-3-70B, 80 layers, zero3, T=8192: eager-ac, inductor,
 #                   thunder+memopt at 1.0 and 0.0, thunder+memopt-offload at 0.0
+#   pareto          one GPU, FSDP2 with one rank, stablecode 8 layers, T=8192, zero2, in one invocation: eager,
+#                   eager-ac, inductor (budget 1.0, torch's default), inductor-budget at 0.75, 0.5, 0.25 and 0.0,
+#                   thunder, thunder+fusion, thunder+memopt at 1.0, 0.75, 0.5, 0.25 and 0.0, and
+#                   thunder+memopt-offload at 1.0 and 0.0: memory against step time (benchmarks/make_pareto.py)
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -199,6 +206,10 @@ case "$GROUP" in
         simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
             --compile inductor thunder+memopt eager eager-ac inductor-budget thunder thunder+memopt-offload \
             --out "$OUT/llama3_8b_32l_zero2_sim8_T8192.jsonl" ;;
+    sim-llama3-8b-budgets)
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
+            --compile inductor thunder+memopt --memopt-budget 1.0 0.9 0.75 \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_budgets.jsonl" ;;
     sim-sc32)
         simulated 8 --model-name stablecode-completion-alpha-3b --n-layer 32 --block-size 8192 16384 --shard-mode zero2 \
             --compile "${ALL_BACKENDS[@]}" --out "$OUT/stablecode_32l_zero2_sim8.jsonl" ;;
@@ -210,6 +221,11 @@ case "$GROUP" in
         simulated 64 --model-name Llama-3-70B --n-layer 80 --block-size 8192 --shard-mode zero3 \
             --compile eager-ac inductor thunder+memopt thunder+memopt-offload --memopt-budget 1.0 0.0 \
             --out "$OUT/llama3_70b_80l_zero3_sim64_T8192.jsonl" ;;
+    pareto)
+        CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 \
+            --shard-mode zero2 --compile eager eager-ac inductor inductor-budget thunder thunder+fusion thunder+memopt \
+            thunder+memopt-offload --inductor-budget 0.75 0.5 0.25 0.0 --memopt-budget 1.0 0.75 0.5 0.25 0.0 \
+            --offload-budget 1.0 0.0 --out "$OUT/stablecode_8l_zero2_1xH200_T8192_pareto.jsonl" ;;
     tables) tables ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac
