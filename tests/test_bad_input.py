@@ -340,7 +340,7 @@ def test_executors_is_callable_and_keeps_the_packages_attributes():
     assert package() == executors() and package(fusion=False) == executors(fusion=False)
 
 
-@pytest.mark.parametrize("module", ["thunder_memopt", "thunder_memopt.executors"])
+@pytest.mark.parametrize("module", ["thunder_memopt", "thunder_memopt.executors", "thunder_memopt.core", "thunder_memopt.passes"])
 def test_every_public_name_is_defined(module):
     public = sys.modules[module].__all__
     assert public and all(hasattr(sys.modules[module], name) for name in public)
