@@ -184,3 +184,28 @@ def test_simulated_rows_say_so_and_carry_a_modelled_step(tmp_path):
     assert row["sim_step_ms"] == pytest.approx(row["sim_compute_ms"] + row["sim_exposed_ms"])
     assert "SIMULATED: rank 0 of 4" in finished.stdout and "Modelled step at 4 ranks" in finished.stdout
     assert "Losses of simulated rows are not compared" in finished.stdout
+
+
+def _row(simulated: bool, backend: str, peak: int, **fields) -> dict:
+    return {"row_type": "run", "model": "m", "n_layer": 2, "n_embd": 8, "vocab_size": 16, "micro_batch_size": 1,
+            "dtype": "bfloat16", "distributed_mode": "fsdp2", "shard_mode": "zero2", "world_size": 2, "gpu": "G",
+            "simulated": simulated, "block_size": 64, "backend": backend, "budget": None, "status": "ok",
+            "peak_alloc_max": peak, "peak_reserved_max": peak, "step_ms": 10.0, "date": "2026-12-03T00:00:00+00:00",
+            **fields}
+
+
+def test_the_simulation_error_pairs_each_simulated_row_with_its_real_one():
+    from benchmarks.fsdp2 import validation
+
+    rows = [_row(False, "eager", 1000), _row(False, "inductor", 800),
+            _row(True, "eager", 1010, sim_compute_ms=9.0, sim_step_ms=9.5),
+            _row(True, "inductor", 790, sim_compute_ms=9.0, sim_step_ms=9.0),
+            _row(True, "thunder", 700),  # no real row: left out
+            _row(True, "eager", 1000, shard_mode="zero3")]  # another setup: left out
+    pairs = validation.pair_rows(rows)
+    assert [(p.simulated["backend"], p.real["backend"]) for p in pairs] == [("eager", "eager"), ("inductor", "inductor")]
+    assert pairs[0].error("peak_alloc_max") == pytest.approx(0.01)
+    assert pairs[1].error("peak_alloc_max") == pytest.approx(-0.0125)
+    table = validation.markdown(rows)
+    assert "SIMULATED against real" in table and "Largest peak-allocated error 1.25%" in table
+    assert "| +1.00% |" in table and "| -5.00% |" in table  # the modelled step 9.5 against the real 10

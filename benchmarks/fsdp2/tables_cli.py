@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.fsdp2 import backends, plots, tables
+from benchmarks.fsdp2 import backends, plots, tables, validation
 from benchmarks.fsdp2.trial import load_rows
 
 
@@ -20,11 +20,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="leave out thunder+memopt rows written before thunder_memopt's executors")
     parser.add_argument("--against", choices=list(backends.BACKENDS), metavar="BACKEND",
                         help="each backend's peak and step as a multiple of this one's, between rows of one invocation")
+    parser.add_argument("--simulation-error", action="store_true",
+                        help="each simulated row's peaks and step against the real row of the same setup "
+                             "(give both files)")
     args = parser.parse_args(argv)
     rows = tables.latest(load_rows(args.results))
     if args.latest_code:
         rows = [row for row in rows if tables.written_by_current_code(row)]
-    if args.against:
+    if args.simulation_error:
+        print(validation.markdown(rows))
+    elif args.against:
         print(tables.ratios(rows, args.against))
     else:
         print(tables.summary(rows) if args.summary else tables.markdown(rows))
