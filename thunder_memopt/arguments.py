@@ -10,51 +10,45 @@ import torch
 
 from thunder_memopt.models import HEAD_SIZE
 
-__all__ = ["positive_int", "non_negative_int", "fraction", "litgpt_model_name", "narrow_width", "device_name"]
+__all__ = [
+    "positive_int",
+    "non_negative_int",
+    "positive_float",
+    "fraction",
+    "litgpt_model_name",
+    "narrow_width",
+    "device_name",
+]
 
 
-def _int(text: str) -> int:
+def _number(text: str, kind: type[int] | type[float], in_range, requirement: str):
+    """``text`` read as ``kind``, checked by ``in_range``; argparse's error, naming ``requirement``,
+    where it is not a number or not in range."""
     try:
-        return int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not in_range(value):
+        raise argparse.ArgumentTypeError(f"must be {requirement}, got {value if kind is int else format(value, 'g')}")
+    return value
 
 
 def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _number(text, int, lambda value: value >= 1, "at least 1")
 
 
 def non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    return _number(text, int, lambda value: value >= 0, "at least 0")
 
 
 def positive_float(text: str) -> float:
     """A number above 0 (rates)."""
-    value = _float(text)
-    if not value > 0.0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {value:g}")
-    return value
+    return _number(text, float, lambda value: value > 0.0, "above 0")
 
 
 def fraction(text: str) -> float:
     """A number in [0, 1] (activation budgets)."""
-    value = _float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value:g}")
-    return value
+    return _number(text, float, lambda value: 0.0 <= value <= 1.0, "in [0, 1]")
 
 
 def litgpt_model_name(text: str) -> str:
