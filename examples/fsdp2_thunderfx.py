@@ -24,13 +24,14 @@ from thunder_memopt.models import build_model, narrow_config, next_token_loss, r
 
 
 class HeadWithLoss(torch.nn.Module):
-    """The GPT without its head, then the head and the loss, in one forward (one graph)."""
+    """The GPT without its head, then the head and the loss, in one forward (one graph).
+
+    Written out here as a model of your own would need it; ``thunder_memopt.models.HeadWithLoss``
+    is this class for litgpt's GPT."""
 
     def __init__(self, gpt: torch.nn.Module) -> None:
         super().__init__()
-        self.head = gpt.lm_head
-        gpt.lm_head = torch.nn.Identity()
-        self.gpt = gpt
+        self.head, gpt.lm_head, self.gpt = gpt.lm_head, torch.nn.Identity(), gpt
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return next_token_loss(self.head(self.gpt(input_ids)), targets)

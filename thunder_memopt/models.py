@@ -10,7 +10,16 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["DTYPES", "narrow_config", "build_model", "random_batch", "GPTWithLoss", "next_token_loss", "training_step"]
+__all__ = [
+    "DTYPES",
+    "narrow_config",
+    "build_model",
+    "random_batch",
+    "GPTWithLoss",
+    "HeadWithLoss",
+    "next_token_loss",
+    "training_step",
+]
 
 
 # Head size of narrowed models (narrow_config).
@@ -96,6 +105,26 @@ class GPTWithLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return next_token_loss(self.gpt(input_ids), targets, upcast_logits=self.upcast_logits)
+
+
+class HeadWithLoss(torch.nn.Module):
+    """GPTWithLoss with the head moved out of the GPT's forward, next to the loss: the module to
+    compile under FSDP2, with the head left in the root unit.
+
+    Under torch.compile every FSDP2 unit (each Block) breaks the graph, and a graph break inside a
+    call splits its caller's frame too: the head would end the GPT's last graph and the loss start
+    another, and no compiler could fuse the two. Here they are one graph. (Only without final
+    soft-capping, which litgpt applies after its head.)
+    """
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = gpt.lm_head
+        gpt.lm_head = torch.nn.Identity()
+        self.gpt = gpt
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.head(self.gpt(input_ids)), targets)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, *, upcast_logits: bool = False) -> torch.Tensor:

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from benchmarks.fsdp2 import profiling, simulation, step_model
 from benchmarks.fsdp2.backends import BACKENDS
 from benchmarks.fsdp2.trial import MemoryPeaks, SavedActivations, StepTimes, Trial
-from thunder_memopt.models import (DTYPES, GPTWithLoss, build_model, narrow_config, next_token_loss, random_batch,
-                                   training_step)
+from thunder_memopt.models import (DTYPES, GPTWithLoss, HeadWithLoss, build_model, narrow_config, next_token_loss,
+                                   random_batch, training_step)
 from thunder_memopt.executors import offload as offload_executor
 from thunder_memopt.passes.offload import OffloadPlan
 
@@ -90,25 +90,6 @@ class Training:
             yield list(self.fsdp_root.parameters())
         finally:
             self.fsdp_root.set_reshard_after_forward(self.reshard_after_forward)
-
-
-class HeadWithLoss(torch.nn.Module):
-    """GPTWithLoss with the head moved out of the GPT's forward, next to the loss.
-
-    Under torch.compile every FSDP2 unit (each Block) breaks the graph, and a graph break inside a
-    call splits its caller's frame too: the head would end the GPT's last graph and the loss start
-    another, and no compiler could fuse the two. Here they are one graph, for every backend alike.
-    (Only without final soft-capping, which litgpt applies after its head.)
-    """
-
-    def __init__(self, gpt: torch.nn.Module) -> None:
-        super().__init__()
-        self.head = gpt.lm_head
-        gpt.lm_head = torch.nn.Identity()
-        self.gpt = gpt
-
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(self.head(self.gpt(input_ids)), targets)
 
 
 def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) -> torch.nn.Module:
