@@ -198,6 +198,16 @@ def test_an_unknown_model_name_suggests_close_names(capsys):
         (["--compile", "thunder+nothing"], "--compile"),
         (["--offload-keep", "2"], "--offload-keep"),
         (["--compile", "inductor", "--offload-keep", "0.5"], "--offload-keep applies to thunder+memopt-offload"),
+        (["--simulate-world-size", "1"], "--simulate-world-size must be at least 2"),
+        (["--simulate-world-size", "0"], "--simulate-world-size"),
+        (["--bus-bandwidth", "100"], "--bus-bandwidth sets the modelled step of --simulate-world-size"),
+        (["--bus-bandwidth", "0", "--simulate-world-size", "8"], "--bus-bandwidth"),
+        (["--head-unit", "own", "--distributed-mode", "none"], "--head-unit own places FSDP2's units"),
+        (["--trial-timeout", "-5"], "--trial-timeout"),
+        (["--loss-rtol", "-1"], "--loss-rtol"),
+        (["--time-limit", "0"], "--time-limit"),
+        (["--simulate-world-size", "8", "--nproc-per-node", "2"], "--simulate-world-size runs one process"),
+        (["--simulate-world-size", "8", "--distributed-mode", "none"], "use it with --distributed-mode fsdp2"),
     ],
 )
 def test_benchmark_flags_with_bad_values_fail_before_any_process_starts(argv, named, capsys):
