@@ -24,6 +24,8 @@ LONGEST_FIRST = (
     "test_memory.py",
     "test_fusion.py",
     "test_schedule.py",
+    "test_readme.py",
+    "test_simulation.py",
     "test_examples.py",
     "test_bad_input.py",
 )
