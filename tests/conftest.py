@@ -42,8 +42,9 @@ def _forget_dynamos_module_tags() -> Iterator[None]:
     afterwards in a weak dictionary (``GenerationTracker``). litgpt's forward builds an
     ``nn.Identity``, so Thunder's interpreter, tracing a later test's model, iterates that dictionary,
     which then holds every module of the earlier tests; a garbage collection during the iteration
-    removes entries from it ('dictionary changed size during iteration', seen once in a full run).
-    Each test starts with it empty, as ``torch._dynamo.reset()`` leaves it."""
+    removes entries from it, and the iteration fails ('dictionary changed size during iteration',
+    in one test of a full run before commit dd50fce, 2026-12-02). Each test starts with it empty,
+    as ``torch._dynamo.reset()`` leaves it."""
     yield
     from torch._dynamo.mutation_guard import GenerationTracker
 

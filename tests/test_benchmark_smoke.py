@@ -407,7 +407,7 @@ def test_summary_puts_defaults_first_and_latest_code_leaves_out_rows_before_the_
     the plot does not split rows written before a field existed from rows that hold its old value."""
     row = {**TABLE_ROW, "block_size": 128, "peak_alloc_max": 2**30, "step_ms": 10.0}
     memopt = {**row, "backend": "thunder+memopt", "fusion": "on", "autocast": False}
-    rows = [{**row, "backend": "thunder+memopt", "budget": 1.0},  # first session: no fuse_replays, no autocast
+    rows = [{**row, "backend": "thunder+memopt", "budget": 1.0},  # as before 1eec907 (2026-11-30): no fuse_replays, no autocast
             {**row, "backend": "thunder+memopt", "budget": 1.0, "fuse_replays": "auto", "autocast": False},
             {**memopt, "budget": 0.0}, {**memopt, "budget": 1.0, "memopt_passes": ["recompute"]},
             {**memopt, "budget": 0.5}, {**memopt, "budget": 1.0}, {**memopt, "budget": 1.0, "fusion": "off"},

@@ -196,9 +196,10 @@ def budgets_for(name: str, args: argparse.Namespace) -> list[float | None]:
 
 def execution(row: Mapping[str, Any]) -> str | None:
     """How a row of a backend that owns ``fusion`` executed, where it is not the current default
-    (the fusion executor on): ``fusion off``, or for thunder+memopt rows from before the executors,
-    which ran on Thunder's executors, ``fused replays`` or ``unfused replays`` (the fuse_replays
-    option; the first session's rows had none and ran unfused)."""
+    (the fusion executor on): ``fusion off``, or for thunder+memopt rows from before thunder_memopt's
+    executors (commit 06249fb, 2026-12-01), which ran on Thunder's executors, ``fused replays`` or
+    ``unfused replays`` (the fuse_replays option; rows written before commit 1eec907 of 2026-11-30,
+    which added it, have none and ran unfused)."""
     if "fusion" in row:
         return None if row["fusion"] == "on" else "fusion off"
     return "unfused replays" if row.get("fuse_replays", "off") == "off" else "fused replays"
