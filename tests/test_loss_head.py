@@ -3,11 +3,13 @@ numerics against the unfused loss, as a torch function, under thunder.jit and un
 saved bytes that no longer grow with the vocabulary; a lower measured peak; fusion off unchanged."""
 
 import warnings
+from typing import NamedTuple
 
 import pytest
 import thunder
 import torch
 
+from _hf import build, symbol_names, tokens
 from _train import assert_same_numerics, Step
 from thunder_memopt import PASSES, MemoryOptimization, executors, thunderfx_backend
 from thunder_memopt.core.memory import estimate_step
@@ -296,3 +298,84 @@ def test_inference_uses_the_fused_forward_without_warnings():
     assert not [w for w in caught if "thunder_memopt" in str(w.message)]
     assert "memopt_linear_cross_entropy" in _names(thunder.last_traces(jitted)[-1])
     torch.testing.assert_close(got, expected, **FP32)
+
+
+# transformers' ForCausalLMLoss: logits.float().view(-1, V), the labels shifted by a pad of -100 and
+# a slice, "mean", or "sum" divided by num_items_in_batch; the model also returns the logits.
+HF_WITH_LOGITS = "memopt_linear_cross_entropy_forward_and_logits"
+
+
+class HFStep(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    names: set[str]  # the symbols of the Thunder regions' traces
+    peak: int | None  # live bytes of a second step, if measured
+
+
+def _hf_step(*, fused: bool | None, dtype=torch.float32, seq_len: int = 32, vocab_size: int = 256,
+             num_items: int | None = None, logits_in_loss: bool = False, peak: bool = False) -> HFStep:
+    """One step of a narrowed transformers Llama (one layer) called as ``model(input_ids=x, labels=x)``
+    with batch 2, under thunderfx_backend with fusion off and the loss head on (``fused``) or off;
+    ``fused=None``: eager PyTorch. ``logits_in_loss`` adds a term of the returned logits, so that
+    their own gradient reaches the head."""
+    model = build("llama", dtype=dtype, num_hidden_layers=1, vocab_size=vocab_size)
+    x = tokens(model, 2, seq_len)
+    kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    backend = None if fused is None else thunderfx_backend(fusion=False, loss_head=fused)
+    torch._dynamo.reset()
+    compiled = model if backend is None else torch.compile(model, backend=backend)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = compiled(input_ids=x, labels=x, **kwargs)
+        loss = out.loss + out.logits.float().square().mean() if logits_in_loss else out.loss
+        loss.backward()
+        return loss.detach(), out.logits.detach()
+
+    loss, logits = step()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return HFStep(loss, logits, grads, set() if backend is None else symbol_names(backend),
+                  peak_live_bytes(step) if peak else None)
+
+
+# 64 tokens, fewer than the 256 classes: the backward walks the vocabulary; 320: the tokens, in
+# chunks of 128, 128 and 64. With logits_in_loss the returned logits' gradient joins the loss's.
+@pytest.mark.parametrize("seq_len,logits_in_loss", [(32, False), (160, True)])
+def test_transformers_loss_fuses_within_fp32_rounding_and_returns_the_same_logits(seq_len, logits_in_loss):
+    unfused = _hf_step(fused=False, seq_len=seq_len, logits_in_loss=logits_in_loss)
+    fused = _hf_step(fused=True, seq_len=seq_len, logits_in_loss=logits_in_loss)
+    assert HF_WITH_LOGITS in fused.names and HF_WITH_LOGITS not in unfused.names
+    assert torch.equal(fused.logits, unfused.logits)  # the head's one matmul, as unfused
+    torch.testing.assert_close(fused.loss, unfused.loss, **FP32)
+    for name, grad in unfused.grads.items():
+        torch.testing.assert_close(fused.grads[name], grad, **FP32_GRAD, msg=name)
+
+
+def test_transformers_sum_over_num_items_fuses_within_fp32_rounding_of_eager():
+    """With ``num_items_in_batch`` the model divides a "sum" loss by it. Eager PyTorch is the
+    reference: plain Thunder 0.2.6 cannot take the gradient of a "sum" cross-entropy in fp32 (its
+    nll_loss_backward passes a float64 total_weight, which torch 2.11 rejects)."""
+    eager = _hf_step(fused=None, num_items=50)
+    fused = _hf_step(fused=True, num_items=50)
+    assert HF_WITH_LOGITS in fused.names
+    torch.testing.assert_close(fused.loss, eager.loss, **FP32)
+    for name, grad in eager.grads.items():
+        torch.testing.assert_close(fused.grads[name], grad, **FP32_GRAD, msg=name)
+
+
+def test_transformers_bf16_loss_fuses_through_the_upcast_and_lowers_the_peak():
+    """bf16: the chain has the fp32 upcast. The logits are the same bits, so the fp32 loss of them is
+    within fp32 rounding; the gradients within bf16 rounding (the fused head sums the hidden states'
+    gradient over vocabulary slices in fp32). The peak falls by more than the fp32 logits' bytes
+    (measured: 1.56 times), their copy and log-softmax never held whole, nor the loss's gradient of
+    the logits."""
+    seq_len, vocab = 128, 4096
+    unfused = _hf_step(fused=False, dtype=torch.bfloat16, seq_len=seq_len, vocab_size=vocab, peak=True)
+    fused = _hf_step(fused=True, dtype=torch.bfloat16, seq_len=seq_len, vocab_size=vocab, peak=True)
+    assert HF_WITH_LOGITS in fused.names
+    assert torch.equal(fused.logits, unfused.logits)
+    torch.testing.assert_close(fused.loss, unfused.loss, **FP32)
+    _assert_close_grads(fused, unfused, BF16_GRAD_RELATIVE_ERROR)
+    fp32_logits_bytes = 2 * seq_len * vocab * 4
+    assert fused.peak <= unfused.peak - fp32_logits_bytes, (fused.peak, unfused.peak)

@@ -3,8 +3,9 @@
 Before Thunder's autodiff, the computation trace goes through one pass:
 
 0. ``loss_head``: where ``linear_cross_entropy_ex`` is in the executor list, each
-   ``linear -> cross_entropy`` becomes the fused loss head, which never holds the logits
-   (thunder_memopt.passes.loss_head).
+   ``linear -> cross_entropy`` becomes the fused loss head, which never holds the logits (where the
+   model also returns them, as transformers' models do, never their fp32 copy, log-softmax or
+   gradient) (thunder_memopt.passes.loss_head).
 
 Thunder then hands every transform the forward trace and the backward trace of each compiled
 function, after its own optimization and ``del_last_used``. The other passes run there, in order:

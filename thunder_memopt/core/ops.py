@@ -108,7 +108,8 @@ EMBEDDING = frozenset({"embedding", "embedding_backward", "take"})
 FUSED_LOSS_HEAD = frozenset({
     "memopt_linear_cross_entropy", "memopt_linear_cross_entropy_forward",
     "memopt_linear_cross_entropy_backward", "memopt_linear_cross_entropy_forward_with_gradients",
-    "memopt_linear_cross_entropy_scale_gradients",
+    "memopt_linear_cross_entropy_scale_gradients", "memopt_linear_cross_entropy_and_logits",
+    "memopt_linear_cross_entropy_forward_and_logits",
 })
 
 _CHEAP = ELEMENTWISE | VIEWS | COPIES | CREATION | NORM_REDUCTIONS

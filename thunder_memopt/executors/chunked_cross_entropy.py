@@ -22,6 +22,8 @@ Two ways in:
 - the Thunder symbol ``memopt_linear_cross_entropy`` of ``linear_cross_entropy_ex``, which
   MemoryOptimization's ``loss_head`` pass puts in place of ``linear -> cross_entropy`` in a trace
   (thunder_memopt.passes.loss_head). Its grad transform saves what the backward above needs.
+  Where the model also returns the logits (transformers), ``memopt_linear_cross_entropy_and_logits``
+  makes them whole and its backward reads them instead of recomputing them.
 """
 
 from __future__ import annotations
@@ -149,17 +151,27 @@ def _spans(total: int, step: int) -> list[tuple[int, int]]:
     return [(start, min(total, start + step)) for start in range(0, total, step)]
 
 
-def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype):
-    """(loss, log-sum-exp of every token) for (N, C) hidden states and (N,) targets."""
+def _chunk_logits(hidden, weight, bias, logits, rows: slice, columns: slice = slice(None)):
+    """One chunk's logits, dense: its slice of ``logits`` where the head's whole output is given (a
+    view for a slice of rows, a copy for one of classes, since the compiled chunk math reads dense
+    chunks), else its own matmul."""
+    if logits is not None:
+        return logits[rows, columns].contiguous()
+    return torch.nn.functional.linear(hidden[rows], weight[columns], None if bias is None else bias[columns])
+
+
+def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype, logits=None):
+    """(loss, log-sum-exp of every token) for (N, C) hidden states and (N,) targets; each chunk's
+    logits read from ``logits``, the head's (N, V) output, where given."""
     n = hidden.shape[0]
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start, stop in _spans(n, chunk):
-        logits = torch.nn.functional.linear(hidden[start:stop], weight, bias)
+        logits_chunk = _chunk_logits(hidden, weight, bias, logits, slice(start, stop))
         t = targets[start:stop]
         valid = t != ignore_index
-        lse[start:stop], picked = _run(_lse_and_target_logit, logits, torch.where(valid, t, 0), softcap=softcap)
-        del logits
+        lse[start:stop], picked = _run(_lse_and_target_logit, logits_chunk, torch.where(valid, t, 0), softcap=softcap)
+        del logits_chunk
         total += torch.where(valid, lse[start:stop] - picked, 0.0).sum()
     if reduction == "mean":
         total = total / (targets != ignore_index).sum()
@@ -200,14 +212,18 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
 
 
 def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, softcap, chunk,
-              needs_weight_grad):
+              needs_weight_grad, logits=None, logits_grad=None):
     """Gradients of the hidden states, the weight and the bias (None where not needed).
 
     The walk goes over whichever axis needs the smaller fp32 accumulator: over the vocabulary
     (each slice of the weight's gradient exact, the hidden states' gradient summed, tokens x C)
     when there are fewer tokens than classes, as in training; over the tokens (the weight's
     gradient summed, vocab x C) at long context. ``chunk`` is the tokens per chunk of the forward,
-    which fixes the bytes of one chunk's logits either way."""
+    which fixes the bytes of one chunk's logits either way.
+
+    Where the head's output is also a result of the model, its logits are read from ``logits``
+    instead of recomputed, and ``logits_grad``, the gradient of that result, is added to each
+    chunk's softmax gradient in the logits' dtype, as the unfused backward adds the two."""
     n, vocab = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     scale = grad.float()
@@ -223,11 +239,14 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
         grad_bias = torch.empty_like(bias) if with_bias else None
         for start, stop in _spans(vocab, width):
             w = weight[start:stop]
-            logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[start:stop])
+            columns = slice(start, stop)
+            logits_chunk = _chunk_logits(hidden, weight, bias, logits, slice(None), columns)
             hit = valid & (target >= start) & (target < stop)
             column = (target - start).clamp_(0, stop - start - 1)
-            (g,) = _run(_logits_grad, logits, lse, column, hit, row_scale, softcap=softcap)
-            del logits
+            (g,) = _run(_logits_grad, logits_chunk, lse, column, hit, row_scale, softcap=softcap)
+            del logits_chunk
+            if logits_grad is not None:
+                g += logits_grad[:, columns]
             grad_hidden += (g @ w).float()
             if grad_weight is not None:
                 grad_weight[start:stop] = g.t() @ hidden
@@ -238,11 +257,13 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight_grad else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_bias else None
     for start, stop in _spans(n, chunk):
-        h = hidden[start:stop]
-        logits = torch.nn.functional.linear(h, weight, bias)
-        (g,) = _run(_logits_grad, logits, lse[start:stop], target[start:stop], valid[start:stop],
-                 row_scale[start:stop], softcap=softcap)
-        del logits
+        h, rows = hidden[start:stop], slice(start, stop)
+        logits_chunk = _chunk_logits(hidden, weight, bias, logits, rows)
+        (g,) = _run(_logits_grad, logits_chunk, lse[rows], target[rows], valid[rows], row_scale[rows],
+                    softcap=softcap)
+        del logits_chunk
+        if logits_grad is not None:
+            g += logits_grad[rows]
         grad_hidden[start:stop] = g @ weight
         if grad_weight is not None:
             grad_weight += (g.t() @ h).float()
@@ -338,6 +359,10 @@ def linear_cross_entropy(
 #   (no matmul is repeated) and saves them; the backward scales them. They are the head's own
 #   parameter and input gradients, which the backward would create at once anyway; the cost is the
 #   logits' gradient (tokens x vocab, model dtype) during the head's forward.
+# ``head_loss_and_logits`` is the head whose logits are also a result of the model (transformers'
+# ``CausalLMOutput.logits``): one whole matmul makes them, as the unfused head does, and the
+# backward reads them, with their own gradient, instead of recomputing them. What it never holds
+# whole is the fp32 logits, their log-softmax and the loss's gradient of the logits.
 
 linear_cross_entropy_ex = OperatorExecutor("memopt_linear_cross_entropy", version="0.1")
 register_executor(linear_cross_entropy_ex)
@@ -361,12 +386,35 @@ def _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk,
                     dtypes.to_torch_dtype(out_dtype))
 
 
-def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk):
+def _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    loss, lse = _forward_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)
+    return loss, TensorProxy(like=hidden, shape=(hidden.shape[0], weight.shape[0])), lse
+
+
+def _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, None, chunk,
+                         dtypes.to_torch_dtype(out_dtype), logits)
+    return loss, logits, lse
+
+
+def _loss_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    return _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)[:2]
+
+
+def _loss_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    return _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)[:2]
+
+
+def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits=None,
+                   logits_grad=None):
     return (TensorProxy(like=hidden), TensorProxy(like=weight), None if bias is None else TensorProxy(like=bias))
 
 
-def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk):
-    return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, None, chunk, True)
+def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits=None,
+                   logits_grad=None):
+    return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, None, chunk, True,
+                     logits, logits_grad)
 
 
 def _with_gradients_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
@@ -395,6 +443,11 @@ head_loss = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy", meta=_loss_meta, fn=_loss_impl, tags=_TAGS)
 head_forward = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_forward", meta=_forward_meta, fn=_forward_impl, tags=_TAGS)
+head_forward_and_logits = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_forward_and_logits", meta=_forward_and_logits_meta, fn=_forward_and_logits_impl,
+    tags=_TAGS)
+head_loss_and_logits = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_and_logits", meta=_loss_and_logits_meta, fn=_loss_and_logits_impl, tags=_TAGS)
 head_backward = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_backward", meta=_backward_meta, fn=_backward_impl, tags=(OpTags.MATMUL_OP,))
 head_forward_with_gradients = linear_cross_entropy_ex.register_operator(
@@ -412,12 +465,27 @@ def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dty
     else:
         loss, lse = head_forward(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)
         grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk)
-    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
-    put_grads(inputs, grads[: len(inputs)])
+    _put_head_grads(hidden, weight, bias, grads)
     return loss
 
 
+def _put_head_grads(hidden, weight, bias, grads) -> None:
+    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
+    put_grads(inputs, grads[: len(inputs)])
+
+
+def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+    loss, logits, lse = head_forward_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk,
+                                                out_dtype)
+    grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk,
+                          logits, get_grad(logits))
+    _put_head_grads(hidden, weight, bias, grads)
+    return loss, logits
+
+
 linear_cross_entropy_ex.register_implementation(head_loss, head_loss, grad_transform=_grad)
+linear_cross_entropy_ex.register_implementation(head_loss_and_logits, head_loss_and_logits,
+                                                grad_transform=_grad_and_logits)
 
 
 # What the memory model cannot see: each op's chunks of logits (and of their gradient), its
@@ -434,7 +502,9 @@ def _eager_temporaries(hidden: TensorProxy, rows: int, columns: int, *, gradient
 def _forward_workspace(bsym) -> int:
     hidden, weight, chunk = bsym.args[0], bsym.args[1], bsym.args[6]
     rows, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
-    return rows * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, rows, vocab, gradient=False)
+    # Where the op makes the whole logits (its output), a chunk's logits are a view of them.
+    matmul = 0 if bsym.sym.name in _WITH_LOGITS else rows * vocab * hidden.dtype.bytes
+    return matmul + _eager_temporaries(hidden, rows, vocab, gradient=False)
 
 
 def _with_gradients_workspace(bsym) -> int:
@@ -450,7 +520,9 @@ def _backward_workspace(bsym) -> int:
         rows, columns, accumulator = n, _vocabulary_width(n, vocab, chunk), n * width
     else:
         rows, columns, accumulator = min(chunk, n), vocab, vocab * width
-    logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes
+    # A chunk's logits and their gradient; given logits, a slice of rows is a view of them.
+    given_rows = len(bsym.args) > 9 and bsym.args[9] is not None and n >= vocab
+    logits_and_gradient = (1 if given_rows else 2) * rows * columns * hidden.dtype.bytes
     return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, gradient=True)
             + accumulator * (4 + 4 + hidden.dtype.bytes))
 
@@ -492,12 +564,16 @@ def _functions_called(bsym) -> list:
 
 
 COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (
-    head_loss, head_forward, head_forward_with_gradients, head_backward, head_scale_gradients)})
+    head_loss, head_forward, head_forward_with_gradients, head_backward, head_scale_gradients,
+    head_loss_and_logits, head_forward_and_logits)})
 
 
+_WITH_LOGITS = {head_loss_and_logits.name, head_forward_and_logits.name}
 WORKSPACE_BYTES.update({
     head_loss.name: _forward_workspace,
     head_forward.name: _forward_workspace,
+    head_loss_and_logits.name: _forward_workspace,
+    head_forward_and_logits.name: _forward_workspace,
     head_forward_with_gradients.name: _with_gradients_workspace,
     head_backward.name: _backward_workspace,
 })

@@ -2,15 +2,22 @@
 
 A model that computes its loss in the compiled function (litgpt's ``GPT`` and
 ``F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))``, in the model's dtype or upcast)
-traces to a ``linear`` whose only use is a chain of reshapes and casts into ``cross_entropy``.
-That chain is what holds the logits. The pass replaces it, before Thunder's autodiff, by
+traces to a ``linear`` whose use is a chain of reshapes and casts into ``cross_entropy``. That
+chain is what holds the logits. The pass replaces it, before Thunder's autodiff, by
 ``memopt_linear_cross_entropy`` (thunder_memopt.executors.chunked_cross_entropy), whose grad
 transform saves the hidden states and the log-sum-exp instead of the logits and their
 log-softmax.
 
-It rewrites only what it can prove equal: the logits used by nothing but the chain, a mean or sum
-reduction, no class weights, no label smoothing, and targets of one index per token. Anything
-else is left as it was.
+transformers' ``ForCausalLMLoss`` is the same chain (``logits.float().view(-1, V)``, the labels
+shifted by a pad and a slice, ``ignore_index=-100``, "mean", or "sum" that the model then divides
+by ``num_items_in_batch``: the division reads the fused loss as it read the unfused one), but the
+model also returns the logits. Then the head becomes ``memopt_linear_cross_entropy_and_logits``,
+which makes the logits with the same one matmul and returns them in their place; what it never
+holds whole is their fp32 copy, the log-softmax and the loss's gradient of the logits.
+
+It rewrites only what it can prove equal: the chain's intermediates used by nothing else, any
+other reader of the logits after the cross-entropy, a mean or sum reduction, no class weights, no
+label smoothing, and targets of one index per token. Anything else is left as it was.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from thunder.core.proxies import ProxyInterface, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_memopt.executors.chunked_cross_entropy import REDUCTIONS, chunk_tokens, head_loss
+from thunder_memopt.executors.chunked_cross_entropy import REDUCTIONS, chunk_tokens, head_loss, head_loss_and_logits
 
 __all__ = ["LossHead", "find_loss_heads", "fuse_loss_heads"]
 
@@ -46,31 +53,42 @@ class LossHead:
     target: TensorProxy  # the cross-entropy's (tokens,) targets
     ignore_index: int
     reduction: str
+    keeps_logits: bool  # the logits have readers besides the chain (the model returns them)
 
 
-def _only_consumer(t: TensorProxy, consumers, shapes: list[BoundSymbol]) -> BoundSymbol | None:
-    """The one bound symbol that reads ``t``, not counting ``shape`` queries with constant results."""
+def _readers(t: TensorProxy, consumers, shapes: list[BoundSymbol]) -> list[BoundSymbol]:
+    """The bound symbols that read ``t``, not counting ``shape`` queries with constant results."""
     readers = []
     for b in consumers.get(t, ()):
         if b.sym.id == prims.PrimIDs.SHAPE and not any(isinstance(o, ProxyInterface) for o in b.flat_outs):
             shapes.append(b)
         else:
             readers.append(b)
-    return readers[0] if len(readers) == 1 else None
+    return readers
 
 
-def _match(linear: BoundSymbol, consumers) -> LossHead | None:
+_CHAIN = _RESHAPES | _CASTS | {ltorch.cross_entropy.id}
+
+
+def _match(linear: BoundSymbol, consumers, position: dict[int, int]) -> LossHead | None:
     logits = linear.output
     if not isinstance(logits, TensorProxy) or logits.ndim < 2:
         return None
     vocab, tokens = logits.shape[-1], math.prod(logits.shape[:-1])
     shapes: list[BoundSymbol] = []
     chain: list[BoundSymbol] = []
+    # The logits may have other readers than the chain; its intermediates may not.
+    readers = _readers(logits, consumers, shapes)
+    first = [b for b in readers if b.sym.id in _CHAIN]
+    others = [b for b in readers if b.sym.id not in _CHAIN]
+    if len(first) != 1:
+        return None
     t = logits
     while True:
-        b = _only_consumer(t, consumers, shapes)
-        if b is None:
+        readers = first if t is logits else _readers(t, consumers, shapes)
+        if len(readers) != 1:
             return None
+        b = readers[0]
         chain.append(b)
         if b.sym.id == ltorch.cross_entropy.id:
             break
@@ -98,16 +116,18 @@ def _match(linear: BoundSymbol, consumers) -> LossHead | None:
         and bound.arguments["reduction"] in REDUCTIONS
         and isinstance(bound.arguments["ignore_index"], int)
     )
-    if not ok:
+    # The fused head makes the logits where the cross-entropy was: every other reader comes later.
+    if not ok or any(position[id(b)] < position[id(chain[-1])] for b in others):
         return None
     return LossHead(linear, tuple(chain), tuple(shapes), target, bound.arguments["ignore_index"],
-                    bound.arguments["reduction"])
+                    bound.arguments["reduction"], keeps_logits=bool(others))
 
 
 def find_loss_heads(trace: TraceCtx) -> list[LossHead]:
     """Every fusable ``linear -> cross_entropy`` chain of a (pre-autodiff) computation trace."""
     consumers = utils.consumers(trace)
-    found = (_match(b, consumers) for b in trace.bound_symbols if b.sym.id == ltorch.linear.id)
+    position = {id(b): i for i, b in enumerate(trace.bound_symbols)}
+    found = (_match(b, consumers, position) for b in trace.bound_symbols if b.sym.id == ltorch.linear.id)
     return [h for h in found if h is not None]
 
 
@@ -127,16 +147,25 @@ def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> T
         x, weight, bias = (list(head.linear.args) + [None])[:3]
         ce, target = head.chain[-1], head.target
         tokens, vocab = target.shape[0], weight.shape[0]
+        # With the logits kept, the backward reads them instead of recomputing them: there is no
+        # matmul to save by computing the gradients in the forward, only a logits' gradient to hold.
+        in_forward = gradients_in_forward and not head.keeps_logits
+        chunk = chunk_tokens(tokens, vocab, gradients_in_forward=in_forward, device=x.device.type)
         scope: list[BoundSymbol] = []
         new.push_scope(scope)
         with tracectx(new):
             hidden = ltorch.reshape(x, (tokens, x.shape[-1]))
-            loss = head_loss(hidden, weight, bias, target, head.ignore_index, head.reduction,
-                             chunk_tokens(tokens, vocab, gradients_in_forward=gradients_in_forward,
-                                          device=x.device.type),
-                             ce.output.dtype, gradients_in_forward)
+            options = (head.ignore_index, head.reduction, chunk, ce.output.dtype)
+            if head.keeps_logits:
+                loss, flat_logits = head_loss_and_logits(hidden, weight, bias, target, *options)
+                logits = ltorch.reshape(flat_logits, head.linear.output.shape)
+            else:
+                loss = head_loss(hidden, weight, bias, target, *options, in_forward)
         new.pop_scope()
-        scope[-1] = scope[-1].from_bsym_swap_proxies({variableify(loss): ce.output})
+        swaps = {variableify(loss): ce.output}
+        if head.keeps_logits:
+            swaps[variableify(logits)] = head.linear.output
+        scope = [b.from_bsym_swap_proxies(swaps) for b in scope]
         replacement[id(ce)] = scope
         dropped.update(id(b) for b in (head.linear, *head.chain[:-1], *head.shapes))
     bsyms: list[BoundSymbol] = []
