@@ -401,8 +401,8 @@ def summary_order(row: dict) -> tuple:
 
 
 def written_by_current_code(row: dict) -> bool:
-    """False for thunder+memopt rows from before thunder_memopt's executors: they ran on Thunder's
-    executors alone, as the backend no longer does."""
+    """False for thunder+memopt rows written before 06249fb (2026-12-01), which ran on Thunder's
+    executors alone; the backend has run thunder_memopt.executors() since (rows with ``fusion``)."""
     return row["backend"] != "thunder+memopt" or "fusion" in row
 
 
