@@ -432,6 +432,10 @@ def test_rows_name_the_package_tree_git_would_give(tmp_path):
     package.mkdir()
     for source in (Path(__file__).resolve().parents[1] / "thunder_memopt").glob("*.py"):
         (package / source.name).write_bytes(source.read_bytes())
+    (package / "py.typed").write_bytes(b"")  # package data counts; bytecode caches, untracked, do not
+    (package / "__pycache__").mkdir()
+    (package / "__pycache__" / "models.cpython-312.pyc").write_bytes(b"cache")
+    (tmp_path / ".gitignore").write_text("__pycache__/\n")
     git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
     for command in (["init", "-q"], ["add", "thunder_memopt"], ["commit", "-q", "-m", "package"]):
         subprocess.run(git + command, check=True)

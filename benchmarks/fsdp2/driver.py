@@ -63,16 +63,18 @@ class DriverSettings:
 
 
 def git_tree_hash(directory: Path) -> str:
-    """The git tree object id of a directory of .py files (subpackages included), computed from the
-    files themselves: ``git rev-parse COMMIT:thunder_memopt`` names the commit whose package a row
-    ran, even where the copy that ran it has stale or no git metadata."""
+    """The git tree object id of a package directory (subpackages included; bytecode caches left
+    out), computed from the files themselves: ``git rev-parse COMMIT:thunder_memopt`` names the
+    commit whose package a row ran, even where the copy that ran it has stale or no git metadata."""
     entries = []
     for path in directory.iterdir():
-        if path.is_file() and path.suffix == ".py":
+        if path.name == "__pycache__" or path.suffix == ".pyc":
+            continue
+        if path.is_file():
             content = path.read_bytes()
             blob = hashlib.sha1(b"blob %d\0" % len(content) + content).digest()
             entries.append((path.name.encode(), b"100644 " + path.name.encode() + b"\0" + blob))
-        elif path.is_dir() and any(path.rglob("*.py")):
+        elif path.is_dir() and any(p.is_file() for p in path.rglob("*") if "__pycache__" not in p.parts):
             tree = bytes.fromhex(git_tree_hash(path))
             # git orders a tree's entries by name, a directory's name as if it ended in "/".
             entries.append((path.name.encode() + b"/", b"40000 " + path.name.encode() + b"\0" + tree))

@@ -74,7 +74,8 @@ def invocations(path: Path, trees: dict[str, str]) -> list[dict]:
                 last["packages"].append(package)
             continue
         entries.append({"start": when, "end": when, "rows": 1, "command": command, "packages": [package],
-                        "where": f"{row.get('world_size', '?')} × {row.get('gpu') or 'CPU'}",
+                        "where": (f"1 × {row.get('gpu') or 'CPU'}, SIMULATED rank 0 of {row['world_size']}"
+                                  if row.get("simulated") else f"{row.get('world_size', '?')} × {row.get('gpu') or 'CPU'}"),
                         "file": ("archive/" if path.parent.name == "archive" else "") + path.name})
     return entries
 
