@@ -227,5 +227,8 @@ case "$GROUP" in
             thunder+memopt-offload --inductor-budget 0.75 0.5 0.25 0.0 --memopt-budget 1.0 0.75 0.5 0.25 0.0 \
             --offload-budget 1.0 0.0 --out "$OUT/stablecode_8l_zero2_1xH200_T8192_pareto.jsonl" ;;
     tables) tables ;;
+    # long-run: issue 36's check, one GPU, FSDP2 one rank: 500 steps of stablecode 8 layers at T=4096 (benchmarks/long_run.py)
+    long-run) CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/long_run.py --resume --time-limit "$TIME_LIMIT_MIN" \
+        ${LOG_DIR:+--log-dir "$LOG_DIR"} --out "$OUT/stablecode_8l_1xH200_T4096_long_run.jsonl" ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

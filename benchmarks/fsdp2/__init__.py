@@ -9,6 +9,8 @@ compiler backend, each row in fresh processes.
     profiling  what --profile and --memory-snapshot record
     search     --find-max-block-size: the longest sequence that fits
     tables     markdown tables and plots of the rows (``benchmarks/make_table.py``)
+    long_run   the long-run check (``benchmarks/long_run.py``) on the ranks: many steps on real text;
+               long_run_driver runs each setting, long_run_report gives the verdict and the plot
 
 The modules import one another as ``benchmarks.fsdp2.*``, so the repository root must be on the
 path: the two scripts put it there, and the driver gives it to the workers.

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,6 +34,7 @@ from benchmarks.fsdp2.trial import (FINAL_STATUSES, HOST_MEMORY_FIELDS, MEMORY_F
                                     load_rows)
 
 STOP_GRACE_S = 30  # after SIGTERM, before SIGKILL
+POLL_S = 1.0  # how often run_process calls its poll while a trial runs
 LOG_TAIL_LINES = 5  # of a worker's log, in the error of a row whose ranks reported nothing
 # Variables that torchrun sets for the driver's own ranks; the nested torchrun sets its own.
 TORCHRUN_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -124,13 +125,21 @@ def stop_process_group(process: subprocess.Popen) -> None:
             return
 
 
-def run_process(command: list[str], env: dict[str, str], log: IO[str], timeout_s: float) -> int | None:
-    """Run ``command`` in its own process group; its exit code, or None if it ran out of time."""
+def run_process(command: list[str], env: dict[str, str], log: IO[str], timeout_s: float,
+                poll: Callable[[], None] | None = None) -> int | None:
+    """Run ``command`` in its own process group; its exit code, or None if it ran out of time.
+    ``poll``, if given, is called about every POLL_S seconds while it runs."""
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
     try:
-        return process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return process.wait(timeout=max(0.0, left if poll is None else min(left, POLL_S)))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    return None
+                poll()
     finally:
         if process.poll() is None:
             stop_process_group(process)
@@ -163,18 +172,29 @@ def trial_outcome(work_dir: Path, exit_code: int | None, timeout_s: float, log_p
 
 def launch_trial(trial: Trial, log_path: Path, timeout_s: float) -> dict:
     """Run ``trial`` under a fresh ``torch.distributed.run`` and return its outcome."""
+    # Search probes share the compile caches: there, only whether a size fits matters.
+    return launch_worker(worker.__name__, trial.fields(), trial.sharding.processes, log_path, timeout_s,
+                         cold_caches=not trial.measurement.search)
+
+
+def launch_worker(module: str, payload: dict, processes: int, log_path: Path, timeout_s: float, *,
+                  cold_caches: bool = True, watch: Callable[[Path], None] | None = None) -> dict:
+    """Run ``python -m module PAYLOAD_JSON`` on ``processes`` ranks of a fresh ``torch.distributed.run``
+    in a temporary directory, which holds PAYLOAD_JSON and what the ranks write; return its outcome.
+    ``watch``, if given, is called with that directory while the ranks run, and once after."""
     with tempfile.TemporaryDirectory(prefix="benchmark_fsdp2_") as work:
         work_dir = Path(work)
-        trial_file = work_dir / "trial.json"
-        worker.write_json(trial_file, trial.fields())
+        payload_file = work_dir / "trial.json"
+        worker.write_json(payload_file, payload)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={trial.sharding.processes}", "-m", worker.__name__, str(trial_file)]
-        # Search probes share the compile caches: there, only whether a size fits matters.
-        env = worker_environment(None if trial.measurement.search else work_dir)
+                   f"--nproc-per-node={processes}", "-m", module, str(payload_file)]
+        env = worker_environment(work_dir if cold_caches else None)
         with open(log_path, "w") as log:
             log.write(f"$ {shlex.join(command)}\n")
             log.flush()
-            exit_code = run_process(command, env, log, timeout_s)
+            exit_code = run_process(command, env, log, timeout_s, None if watch is None else lambda: watch(work_dir))
+        if watch is not None:
+            watch(work_dir)
         return trial_outcome(work_dir, exit_code, timeout_s, log_path)
 
 
