@@ -14,22 +14,35 @@ Its options are checked when it is built, not at the first call inside dynamo: `
 ``executors`` by type, and any other keyword by name, against what Thunder 0.2.6 reads
 (``THUNDER_OPTIONS``), since ThunderCompiler passes every keyword on to ``thunder.jit``, which
 takes any name and ignores those it does not know.
+
+transformers' mask preparation calls two ops that Thunder runs only through its torch fallback,
+``torch.diff`` (of the position ids, for packed sequences) and ``Tensor.new_ones``; ThunderCompiler's
+splitter hands such nodes to inductor, so that the graph splits there, between the ops that make
+the causal mask and the attention that reads it. The backend rewrites them into ops Thunder has
+(``keep_mask_preparation_in_thunder``), with the same values, so that the mask is made in the
+attention's Thunder region, where the ``causal_mask`` pass can see how it was made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import thunder
+import torch
+import torch.fx
 from thunder.core.transform_common import Transform
 from thunder.extend import Executor, get_executor
 
 from thunder_memopt.executors import executors
 from thunder_memopt.transform import MemoryOptimization
 
-__all__ = ["THUNDER_OPTIONS", "keep_collectives_out_of_thunder", "thunderfx_backend"]
+__all__ = [
+    "THUNDER_OPTIONS", "keep_collectives_out_of_thunder", "keep_mask_preparation_in_thunder", "thunderfx_backend",
+]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
 # version) and its ThunderCompiler read: ``get_compile_option``'s names and ``compile_options``'s keys.
@@ -100,6 +113,7 @@ def thunderfx_backend(
 
     def backend(gm, example_inputs):
         keep_collectives_out_of_thunder(gm)
+        keep_mask_preparation_in_thunder(gm)
         return compiler(gm, example_inputs)
 
     backend.compiler = compiler  # subgraph_infos and traces stay reachable
@@ -137,3 +151,67 @@ def keep_collectives_out_of_thunder(gm) -> int:
     if nodes:
         gm.recompile()
     return len(nodes)
+
+
+def _call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    """A new ``call_function`` node with the example value dynamo would have recorded for it, which
+    ThunderCompiler's splitter reads."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    values = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["example_value"])
+    # The mode the example values were made in (dynamo's tracing context may hold another).
+    fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(values)
+                      if isinstance(v, torch._subclasses.FakeTensor)), None)
+    with fake_mode or contextlib.nullcontext():
+        node.meta["example_value"] = target(*values[0], **values[1])
+    return node
+
+
+_DIFF = ("input", "n", "dim", "prepend", "append")
+
+
+def _diff_as_slices(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """``torch.diff`` (n=1) as the difference of two slices of the concatenation of its operands (of
+    ``ne`` for booleans, as torch's logical_xor); False where it is another form."""
+    given = {**dict(zip(_DIFF, node.args)), **node.kwargs}
+    x, n, dim = given["input"], given.get("n", 1), given.get("dim", -1)
+    parts = [p for p in (given.get("prepend"), x, given.get("append")) if p is not None]
+    if n != 1 or not all(isinstance(p, torch.fx.Node) and "example_value" in p.meta for p in parts):
+        return False
+    value = x.meta["example_value"]
+    d = dim % value.ndim
+    before = (slice(None),) * d
+    with graph.inserting_before(node):
+        joined = _call(graph, torch.cat, (parts,), {"dim": d}) if len(parts) > 1 else x
+        later = _call(graph, operator.getitem, (joined, (*before, slice(1, None))))
+        earlier = _call(graph, operator.getitem, (joined, (*before, slice(None, -1))))
+        difference = _call(graph, operator.ne if value.dtype == torch.bool else operator.sub, (later, earlier))
+    node.replace_all_uses_with(difference)
+    graph.erase_node(node)
+    return True
+
+
+def _new_ones_as_ones(node: torch.fx.Node) -> bool:
+    """``x.new_ones(size, ...)`` as ``torch.ones`` of its result's shape, dtype and device; False for
+    a shape dynamo left symbolic."""
+    result = node.meta.get("example_value")
+    if not isinstance(result, torch.Tensor) or not all(isinstance(s, int) for s in result.shape):
+        return False
+    node.op, node.target = "call_function", torch.ones
+    node.args, node.kwargs = (tuple(result.shape),), {"dtype": result.dtype, "device": result.device}
+    return True
+
+
+def keep_mask_preparation_in_thunder(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that ``torch.diff`` and ``Tensor.new_ones``, which
+    Thunder runs only through its torch fallback, become ops Thunder has, with the same values; the
+    count rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if (node.op, node.target) in (("call_function", torch.diff), ("call_method", "diff")):
+            count += _diff_as_slices(gm.graph, node)
+        elif (node.op, node.target) == ("call_method", "new_ones"):
+            count += _new_ones_as_ones(node)
+    if count:
+        gm.recompile()
+    return count

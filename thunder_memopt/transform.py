@@ -1,11 +1,14 @@
 """``MemoryOptimization``: the thunder.Transform that wires thunder_memopt's passes in order.
 
-Before Thunder's autodiff, the computation trace goes through one pass:
+Before Thunder's autodiff, the computation trace goes through two passes, in order:
 
-0. ``loss_head``: where ``linear_cross_entropy_ex`` is in the executor list, each
-   ``linear -> cross_entropy`` becomes the fused loss head, which never holds the logits (where the
-   model also returns them, as transformers' models do, never their fp32 copy, log-softmax or
-   gradient) (thunder_memopt.passes.loss_head).
+- ``causal_mask``: where ``cudnn_attention_ex`` is in the executor list, each attention whose mask
+  the ops that make it prove causal is called with ``is_causal=True`` and no mask, so that a fast
+  kernel takes it (thunder_memopt.passes.causal_mask).
+- ``loss_head``: where ``linear_cross_entropy_ex`` is in the executor list, each
+  ``linear -> cross_entropy`` becomes the fused loss head, which never holds the logits (where the
+  model also returns them, as transformers' models do, never their fp32 copy, log-softmax or
+  gradient) (thunder_memopt.passes.loss_head).
 
 Thunder then hands every transform the forward trace and the backward trace of each compiled
 function, after its own optimization and ``del_last_used``. The other passes run there, in order:
@@ -64,8 +67,9 @@ from thunder.core.transform_common import Transform
 from thunder_memopt.core.cost import DeviceRates
 from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
+from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
-from thunder_memopt.passes import collectives, loss_head, schedule
+from thunder_memopt.passes import causal_mask, collectives, loss_head, schedule
 from thunder_memopt.passes import offload as offload_module
 from thunder_memopt.stages import (
     CollectivesStage,
@@ -84,7 +88,7 @@ __all__ = ["MemoryOptimization", "PASSES"]
 
 _T = TypeVar("_T")
 
-PASSES = ("loss_head", "recompute", "collectives", "schedule", "donate")
+PASSES = ("causal_mask", "loss_head", "recompute", "collectives", "schedule", "donate")
 
 
 def _check_fraction(name: str, value: object) -> None:
@@ -201,7 +205,14 @@ class MemoryOptimization(Transform):
         )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
-        if "loss_head" in self.passes and linear_cross_entropy_ex in kwargs.get("executors_list", ()):
+        executors_list = kwargs.get("executors_list", ())
+        if "causal_mask" in self.passes and cudnn_attention_ex in executors_list:
+            # With cuDNN attention asked for: another kernel than plain Thunder's, as that executor is.
+            causal = self._guarded("causal_mask", "the attention masks as they were",
+                                   lambda: causal_mask.causal_attention(computation_trace))
+            if causal is not None:
+                computation_trace = causal
+        if "loss_head" in self.passes and linear_cross_entropy_ex in executors_list:
             # At budget 1.0 (time first) the head computes its gradients in the forward, one matmul
             # less, through a logits' gradient buffer of tokens x vocabulary. Below it, and with offload
             # (the long-context setting: memory first), it recomputes its logits in the backward and
