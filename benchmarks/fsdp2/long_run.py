@@ -21,7 +21,7 @@ setting reaches it:
 Rank 0 appends one JSON line per step to ``steps.jsonl`` next to RUN_JSON as it goes (the driver
 reads it for its progress lines): the step's loss (rank 0's batch), the learning rate it used, its
 seconds, and the norm of rank 0's parameter shards after it, which tells two runs apart even where
-a bf16 loss rounds their difference away. Then ``result.json`` (``worker.RESULT_FILE``): the
+a bf16 loss is too coarse to show their difference. Then ``result.json`` (``worker.RESULT_FILE``): the
 corpus, and what one more forward saves for backward (bytes and storages over every device, host
 copies of offloaded tensors included), which differs where two settings save, and so recompute,
 different tensors.
