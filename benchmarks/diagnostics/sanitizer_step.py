@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.cuda._sanitizer as csan
+from torch.utils import _pytree
 
 # Off until the checked step: TORCH_CUDA_SANITIZER=1 enables it when torch is imported, and on a
 # machine without CUDA its first op would fail before this script could say it needs CUDA; the
@@ -121,7 +122,7 @@ def report_region_accesses(seen: Seen) -> contextlib.AbstractContextManager:
         out = call(region, *args)
         if csan.cuda_sanitizer.enabled:
             inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
-            outputs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_cuda]
+            outputs = [o for o in _pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_cuda]
             written = {t.data_ptr() for t in outputs}
             aliases = collections.defaultdict(list)
             for index, t in enumerate(inputs):
