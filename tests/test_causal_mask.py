@@ -6,7 +6,8 @@ ones it rewrites to ``is_causal=True`` and the ones it leaves, computes what it 
 bit, since Thunder's decomposition of SDPA masks the logits the same way for ``is_causal=True`` as
 for the boolean mask. (On a GPU the rewrite changes the kernel: flash or cuDNN instead of the
 memory-efficient one.) The pass runs where cuDNN attention is asked for (``cudnn_attention=True``);
-on CPU cuDNN claims nothing, so the attention stays Thunder's.
+on CPU cuDNN claims nothing, so the attention stays Thunder's. transformers' own mask, made in the
+attention's region and proven there: tests/test_transformers.py.
 """
 
 from __future__ import annotations
@@ -90,51 +91,37 @@ def test_checker_proves_causal_only_the_masks_made_causal_and_no_attention_chang
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def _hf_step(backend, attention_mask=None):
-    """Loss and gradients of one step of a narrowed transformers Llama (one layer) under ``backend``."""
-    torch._dynamo.reset()
+def test_a_padding_mask_from_the_caller_is_not_proven_and_keeps_its_meaning():
+    """A padding mask passed in is a trace input: whatever its values (the first row all ones, as a
+    tokenizer gives for an unpadded row; the second with four tokens masked out in its middle, which
+    the later tokens must attend around), the ops prove nothing about it, the pass leaves the trace
+    as it was, and the step computes eager PyTorch's loss and gradients within fp32 rounding. (Left
+    padding would leave its first queries nothing to attend to, where Thunder's decomposition of
+    SDPA gives NaN and eager PyTorch does not. transformers' own causal mask, proven, and its
+    bit-identical training: tests/test_transformers.py.)"""
     model = build("llama", num_hidden_layers=1)
     x = tokens(model, 2, 32)
-    labels = x if attention_mask is None else x.masked_fill(attention_mask == 0, -100)
-    out = torch.compile(model, backend=backend)(input_ids=x, labels=labels, attention_mask=attention_mask)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _regions(backend) -> list[list]:
-    """The traces of each Thunder region a backend compiled."""
-    return [thunder.last_traces(fn) for info in backend.compiler.subgraph_infos for fn in info.thunder_compiled_fns]
-
-
-def _assert_same_numerics(a, b):
-    assert torch.equal(a[0], b[0])
-    assert all(torch.equal(a[1][n], b[1][n]) for n in b[1])
-
-
-def test_transformers_causal_mask_is_made_in_the_attentions_region_and_proven():
-    """thunderfx_backend rewrites the mask preparation's ``torch.diff`` and ``new_ones`` into ops
-    Thunder has (plain ThunderCompiler splits the graph there: tests/test_transformers.py), so the
-    training graph is one Thunder region, where the pass proves the mask causal. The reference is the
-    same backend without cuDNN attention, where the pass does not run."""
-    memopt = thunderfx_backend(fusion=False, cudnn_attention=True)
-    got, expected = _hf_step(memopt), _hf_step(thunderfx_backend(fusion=False))
-    (traces,) = _regions(memopt)
-    assert not memopt.compiler.subgraph_infos[0].split_reasons
-    (rewritten,) = _proven(traces)
-    assert "the masks of 1 of 1 attentions proven causal" in str(rewritten.get_provenance())
-    _assert_same_numerics(got, expected)
-
-
-def test_a_padding_mask_from_the_caller_is_not_proven_and_keeps_its_numerics():
-    """A padding mask passed in is a trace input: whatever its values (the first row all ones, as a
-    tokenizer gives for an unpadded row; the second padded on the right), the ops prove nothing
-    about it, and the attention keeps the mask."""
     attention_mask = torch.ones(2, 32, dtype=torch.long)
-    attention_mask[1, 20:] = 0
+    attention_mask[1, 8:12] = 0
+    labels = x.masked_fill(attention_mask == 0, -100)
     memopt = thunderfx_backend(fusion=False, cudnn_attention=True)
-    got = _hf_step(memopt, attention_mask)
-    assert not any(_proven(traces) for traces in _regions(memopt))
-    _assert_same_numerics(got, _hf_step(thunderfx_backend(fusion=False), attention_mask))
+    torch._dynamo.reset()
+    results = []
+    for step, mask in ((torch.compile(model, backend=memopt), attention_mask), (model, attention_mask),
+                       (model, torch.ones_like(attention_mask))):
+        model.zero_grad(set_to_none=True)
+        loss = step(input_ids=x, labels=labels, attention_mask=mask).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    regions = [thunder.last_traces(fn) for info in memopt.compiler.subgraph_infos for fn in info.thunder_compiled_fns]
+    assert regions and not any(_proven(traces) for traces in regions)
+    (got, got_grads), (expected, expected_grads), (unmasked, _) = results
+    fp32 = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, expected, **fp32)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(AssertionError):  # the mask matters: without it, another loss
+        torch.testing.assert_close(unmasked, expected, **fp32)
 
 
 def test_mask_preparation_rewrite_keeps_the_values():

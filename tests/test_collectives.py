@@ -1,4 +1,5 @@
-"""Collective-aware frees: thunder fsdp ZERO2/ZERO3 and FSDP2 under ThunderCompiler, 2 CPU gloo processes.
+"""Collective-aware frees: thunder fsdp ZERO2/ZERO3 and FSDP2 under ThunderCompiler, 2 CPU gloo processes;
+litgpt models, and a transformers one under FSDP2.
 
 Each worker under tests/dist/ runs the untransformed and the transformed step in one torchrun job
 and writes what it saw to JSON; these tests assert on it and print the estimated peaks.
@@ -149,3 +150,31 @@ def test_functional_collectives_are_kept_out_of_thunder():
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert all(t.__name__.startswith("thunder_memopt_outside_thunder") for t in targets[:2])
     assert targets[2] is torch.ops.aten.mul.Tensor
+
+
+@pytest.fixture(scope="module")
+def hf_fsdp2(tmp_path_factory) -> dict:
+    pytest.importorskip("transformers")
+    return _torchrun("hf_fsdp2_worker.py", tmp_path_factory.mktemp("hf_fsdp2"))
+
+
+def test_fsdp2_transformers_training_is_bit_identical_to_plain_thundercompiler_and_saves_less(hf_fsdp2):
+    """A narrowed transformers Llama, fully_shard on each decoder layer and the root, three AdamW
+    steps with fusion off: the losses and the sharded parameters bit for bit plain ThunderCompiler's,
+    and fewer bytes saved for backward."""
+    plain, memopt = hf_fsdp2["plain"], hf_fsdp2["memopt"]
+    assert memopt["losses"] == plain["losses"] and hf_fsdp2["max_parameter_diff"] == 0.0
+    assert memopt["saved_bytes"] < plain["saved_bytes"], (memopt["saved_bytes"], plain["saved_bytes"])
+
+
+def test_fsdp2_transformers_mask_reaches_each_layer_as_an_input(hf_fsdp2):
+    """Each FSDP2 unit is a dynamo graph of its own (the position ids, the rotary embedding, the
+    decoder layer, which both layers run, the final norm, the head and loss): the mask is made in
+    the first and reaches the layers' graph as an input, which the causal-mask pass cannot prove
+    anything about, so the attention keeps its mask (on a GPU, the memory-efficient kernel). The
+    mask preparation's torch.diff and new_ones split plain ThunderCompiler's first graph in three
+    Thunder regions; thunderfx_backend keeps one region a graph."""
+    plain, memopt = hf_fsdp2["plain"], hf_fsdp2["memopt"]
+    assert plain["graphs"] == memopt["graphs"] == 5
+    assert (plain["regions"], memopt["regions"]) == (7, 5)
+    assert memopt["proven_traces"] == 0

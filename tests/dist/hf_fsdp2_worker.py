@@ -1,0 +1,74 @@
+"""torchrun worker: a narrowed transformers Llama (tests/_hf.py) under FSDP2, ``fully_shard`` on each
+decoder layer and on the root, as transformers models are sharded, called as
+``model(input_ids=x, labels=x)``: three AdamW steps under plain ThunderCompiler and under
+thunderfx_backend with fusion off and cuDNN attention asked for (so that the causal-mask pass runs).
+
+Writes, from rank 0, to argv[1]: each backend's losses, the largest difference of the sharded
+parameters after the steps (over every rank), the bytes rank 0 saves for backward in the last step,
+and how the step compiles: dynamo graphs, Thunder regions, and attentions whose mask the pass
+proved causal.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import thunder
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from thunder.dynamo import ThunderCompiler
+from torch.distributed.fsdp import fully_shard
+
+from _common import finish, max_grad_diff
+from thunder_memopt import thunderfx_backend
+from thunder_memopt.measure import measure_saved
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the models the tests share
+from _hf import build, tokens  # noqa: E402
+
+STEPS = 3
+
+
+def train(backend) -> dict:
+    torch._dynamo.reset()
+    model = build("llama")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    x = tokens(model, 2, 32)
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    losses, saved = [], 0
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        measured = measure_saved(compiled, input_ids=x, labels=x, parameters=[p.to_local() for p in model.parameters()])
+        measured.output.loss.backward()
+        optimizer.step()
+        losses.append(measured.output.loss.item())
+        saved = measured.activation_bytes
+    compiler = getattr(backend, "compiler", backend)
+    fns = [fn for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
+    proven = {id(t) for fn in fns for t in thunder.last_traces(fn) if "causal_mask" in str(t.get_provenance())}
+    return {
+        "losses": losses,
+        "parameters": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+        "saved_bytes": saved,
+        "graphs": len(compiler.subgraph_infos),
+        "regions": len(fns),
+        "proven_traces": len(proven),
+    }
+
+
+def main(path: str) -> None:
+    dist.init_process_group("gloo")
+    results = {name: train(backend) for name, backend in (
+        ("plain", ThunderCompiler()), ("memopt", thunderfx_backend(fusion=False, cudnn_attention=True)))}
+    report = {name: {k: v for k, v in r.items() if k != "parameters"} for name, r in results.items()}
+    report["max_parameter_diff"] = max_grad_diff(results["plain"]["parameters"], results["memopt"]["parameters"])
+    finish(path, report)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
