@@ -56,6 +56,9 @@
 #   sim-llama3-8b-budgets
 #                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at budgets 1.0, 0.9
 #                   and 0.75 in one invocation
+#   sim-llama3-8b-head
+#                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at 1.0 with the loss
+#                   head's gradients in the backward (--memopt-head-gradients backward), in one invocation
 #   sim-sc32        SIMULATED rank 0 of 8: stablecode 32 layers, zero2, T=8192 and 16384 in one invocation,
 #                   every backend
 #   sim-sc32-maxT-inductor sim-sc32-maxT-memopt sim-sc32-maxT-offload sim-sc32-maxT-eager-ac
@@ -210,6 +213,10 @@ case "$GROUP" in
         simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
             --compile inductor thunder+memopt --memopt-budget 1.0 0.9 0.75 \
             --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_budgets.jsonl" ;;
+    sim-llama3-8b-head)
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
+            --compile inductor thunder+memopt --memopt-budget 1.0 --memopt-head-gradients backward \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_head_backward.jsonl" ;;
     sim-sc32)
         simulated 8 --model-name stablecode-completion-alpha-3b --n-layer 32 --block-size 8192 16384 --shard-mode zero2 \
             --compile "${ALL_BACKENDS[@]}" --out "$OUT/stablecode_32l_zero2_sim8.jsonl" ;;

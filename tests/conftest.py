@@ -23,6 +23,9 @@ LONGEST_FIRST = (
     "test_benchmark_smoke.py",  # 130, a torchrun benchmark
     "test_memory.py",
     "test_fusion.py",
+    "test_long_run.py",  # 75, four torchrun jobs
+    "test_checkpoint.py",  # 60
+    "test_transformers.py",  # 55
     "test_schedule.py",
     "test_readme.py",
     "test_simulation.py",

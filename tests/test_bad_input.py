@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
         ({"offload": "budget", "offload_budget": "half"}, TypeError, "offload_budget"),
         ({"offload": "auto", "offload_budget": 0.5}, ValueError, "offload_budget applies to offload='budget'"),
         ({"offload_budget": 0.5}, ValueError, "offload_budget applies to offload='budget'"),
+        ({"head_gradients": "sideways"}, ValueError, "head_gradients must be None or one of"),
+        ({"head_gradients": True}, ValueError, "head_gradients must be None or one of"),
     ],
 )
 def test_memory_optimization_rejects_bad_options_naming_them(kwargs, error, named):
@@ -195,6 +197,7 @@ def test_an_unknown_model_name_suggests_close_names(capsys):
         (["--n-layer", "0"], "--n-layer"),
         (["--warmup", "0"], "--warmup"),
         (["--fusion", "maybe"], "--fusion"),
+        (["--memopt-head-gradients", "sideways"], "--memopt-head-gradients"),
         (["--compile", "thunder+nothing"], "--compile"),
         (["--offload-keep", "2"], "--offload-keep"),
         (["--compile", "inductor", "--offload-keep", "0.5"], "--offload-keep applies to thunder+memopt-offload"),

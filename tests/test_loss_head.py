@@ -144,11 +144,15 @@ SYMBOLS = {
 }
 
 
-@pytest.mark.parametrize("model_name,budget", [(STABLECODE, 1.0), (LLAMA, 1.0), (STABLECODE, 0.5)])
-def test_jit_fuses_the_head_in_fp32_within_rounding(model_name, budget):
+# head_gradients, given, overrides the budget's choice of where the head computes its gradients.
+@pytest.mark.parametrize("model_name,budget,head_gradients,expected", [
+    (STABLECODE, 1.0, None, 1.0), (LLAMA, 1.0, None, 1.0), (STABLECODE, 0.5, None, 0.5),
+    (STABLECODE, 1.0, "backward", 0.5), (STABLECODE, 0.5, "forward", 1.0)])
+def test_jit_fuses_the_head_in_fp32_within_rounding(model_name, budget, head_gradients, expected):
     unfused = _jit_step(model_name, fused=False, dtype=torch.float32, upcast=True, ignore=True, budget=budget)
-    fused = _jit_step(model_name, fused=True, dtype=torch.float32, upcast=True, ignore=True, budget=budget)
-    forward_symbol, backward_symbol = SYMBOLS[budget]
+    fused = _jit_step(model_name, fused=True, dtype=torch.float32, upcast=True, ignore=True, budget=budget,
+                      head_gradients=head_gradients)
+    forward_symbol, backward_symbol = SYMBOLS[expected]
     assert forward_symbol in _names(fused.forward_trace)
     assert backward_symbol in _names(fused.backward_trace)
     torch.testing.assert_close(fused.loss, unfused.loss, **FP32)

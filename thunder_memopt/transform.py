@@ -84,11 +84,13 @@ from thunder_memopt.stages import (
     may_fall_back,
 )
 
-__all__ = ["MemoryOptimization", "PASSES"]
+__all__ = ["MemoryOptimization", "PASSES", "HEAD_GRADIENTS"]
 
 _T = TypeVar("_T")
 
 PASSES = ("causal_mask", "loss_head", "recompute", "collectives", "schedule", "donate")
+# Where the fused loss head computes its gradients (MemoryOptimization's head_gradients).
+HEAD_GRADIENTS = ("forward", "backward")
 
 
 def _check_fraction(name: str, value: object) -> None:
@@ -124,6 +126,11 @@ class MemoryOptimization(Transform):
         offload_rates: the device rates the offload plan is made for; None measures them once on
             the GPU (``core.cost.measure_rates``). Given, offload also runs on a CPU, copying to a
             second CPU buffer (for tests).
+        head_gradients: where the fused loss head computes its gradients. "forward": in the forward,
+            one matmul less, through a tokens x vocabulary buffer at the end of the forward, where
+            every layer's saved tensors are alive (2 GiB for Llama-3's vocabulary at T=8192);
+            "backward": it recomputes its logits in the backward, in chunks, and holds nothing of
+            that size. None: "forward" at ``activation_budget=1.0`` without offload, else "backward".
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
     replays run in the forward's compiled regions and the loss head is fused; with Thunder's
@@ -140,6 +147,7 @@ class MemoryOptimization(Transform):
         offload: str = "off",
         offload_budget: float | None = None,
         offload_rates: DeviceRates | None = None,
+        head_gradients: str | None = None,
     ) -> None:
         _check_fraction("activation_budget", activation_budget)
         if isinstance(passes, str) or not isinstance(passes, Iterable):
@@ -157,6 +165,8 @@ class MemoryOptimization(Transform):
                 raise ValueError(f"offload_budget applies to offload='budget', got offload={offload!r}")
         if offload_rates is not None and not isinstance(offload_rates, DeviceRates):
             raise TypeError(f"offload_rates must be a thunder_memopt.core.cost.DeviceRates, got {offload_rates!r}")
+        if head_gradients is not None and head_gradients not in HEAD_GRADIENTS:
+            raise ValueError(f"head_gradients must be None or one of {list(HEAD_GRADIENTS)}, got {head_gradients!r}")
         unknown = [p for p in passes if p not in PASSES]
         if unknown:
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
@@ -165,6 +175,7 @@ class MemoryOptimization(Transform):
         self.offload = offload_module.OffloadMode(offload)
         self.offload_budget = self.activation_budget if offload_budget is None else float(offload_budget)
         self.offload_rates = offload_rates
+        self.head_gradients = head_gradients
         self._schedule = ScheduleStage()
         self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
         self._donation = DonationStage()
@@ -201,7 +212,8 @@ class MemoryOptimization(Transform):
     def __repr__(self) -> str:
         return (
             f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
-            f"offload={self.offload.value!r}, offload_budget={self.offload_budget})"
+            f"offload={self.offload.value!r}, offload_budget={self.offload_budget}, "
+            f"head_gradients={self.head_gradients!r})"
         )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
@@ -216,8 +228,9 @@ class MemoryOptimization(Transform):
             # At budget 1.0 (time first) the head computes its gradients in the forward, one matmul
             # less, through a logits' gradient buffer of tokens x vocabulary. Below it, and with offload
             # (the long-context setting: memory first), it recomputes its logits in the backward and
-            # holds nothing of that size.
-            in_forward = self.activation_budget == 1.0 and self.offload is offload_module.OffloadMode.OFF
+            # holds nothing of that size. head_gradients, where given, chooses instead.
+            in_forward = (self.activation_budget == 1.0 and self.offload is offload_module.OffloadMode.OFF
+                          if self.head_gradients is None else self.head_gradients == "forward")
             fused = self._guarded("loss_head", "the loss unfused",
                                   lambda: loss_head.fuse_loss_heads(computation_trace, gradients_in_forward=in_forward))
             if fused is not None:

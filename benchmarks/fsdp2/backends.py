@@ -127,7 +127,8 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
 
         passes = {} if options.memopt_passes is None else {"passes": options.memopt_passes}
         keep = {} if offload == "off" or options.offload_keep is None else {"offload_budget": options.offload_keep}
-        memopt = MemoryOptimization(activation_budget=options.budget, offload=offload, **passes, **keep)
+        head = {} if options.head_gradients is None else {"head_gradients": options.head_gradients}
+        memopt = MemoryOptimization(activation_budget=options.budget, offload=offload, **passes, **keep, **head)
     transforms = [memopt] if memopt is not None else []
     mode = trial.sharding.distributed_mode
     if mode == "fsdp2":
@@ -167,7 +168,7 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=False)),
     Backend("thunder+memopt", "the recommended configuration: thunder_memopt's executors and "
                               "MemoryOptimization(activation_budget=--memopt-budget, passes=--memopt-passes)",
-            thunder=True, own_fields=("memopt_passes", "fusion"),
+            thunder=True, own_fields=("memopt_passes", "fusion", "head_gradients"),
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True),
             budgets=Budgets("--memopt-budget", (1.0,),
                             "MemoryOptimization(activation_budget=...) for thunder+memopt (a row each)")),
@@ -176,7 +177,7 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
                                       "offload_budget=--offload-keep), which copies to pinned host memory what the "
                                       "budget does not keep on the GPU; its loss head recomputes the logits in the "
                                       "backward at any budget",
-            thunder=True, own_fields=("memopt_passes", "fusion", "offload_keep"),
+            thunder=True, own_fields=("memopt_passes", "fusion", "offload_keep", "head_gradients"),
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True,
                                       offload="budget"),
             budgets=Budgets("--offload-budget", (0.0,),
@@ -216,8 +217,13 @@ def _keep(row: Mapping[str, Any]) -> str | None:
     return None if keep is None else f"keep {keep:g}"
 
 
+def _head_gradients(row: Mapping[str, Any]) -> str | None:
+    where = row.get("head_gradients")
+    return None if where is None else f"head gradients in {where}"
+
+
 OPTION_TAGS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {
-    "memopt_passes": _passes, "fusion": execution, "offload_keep": _keep}
+    "memopt_passes": _passes, "fusion": execution, "offload_keep": _keep, "head_gradients": _head_gradients}
 
 
 def tags(row: Mapping[str, Any]) -> tuple[str, ...]:
@@ -242,6 +248,8 @@ def describe_trial(trial: Trial) -> str:
         options += f" fusion={compilation.fusion}"
     if "offload_keep" in own and compilation.offload_keep is not None:
         options += f" keep={compilation.offload_keep:g}"
+    if "head_gradients" in own and compilation.head_gradients is not None:
+        options += f" head_gradients={compilation.head_gradients}"
     if numerics.autocast:
         options += " autocast"
     if numerics.loss_mode != "in-graph":

@@ -29,7 +29,7 @@ from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, HEAD_UNITS, LOSS_MODES, O
                                     Measurement, Numerics, Sharding, Trial, Workload)
 from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_float, positive_int
 from thunder_memopt.models import DTYPES, narrow_config
-from thunder_memopt.transform import PASSES
+from thunder_memopt.transform import HEAD_GRADIENTS, PASSES
 
 GPU_DEFAULT_BLOCK_SIZE = 8192
 CPU_DEFAULT_BLOCK_SIZE = 256
@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                              help="thunder+memopt-offload: MemoryOptimization(offload_budget=...), the share of the "
                                   "saved bytes left on the GPU, apart from its budget (recompute's), a row each; "
                                   "default: its budget")
+    compilation.add_argument("--memopt-head-gradients", choices=HEAD_GRADIENTS, default=None,
+                             help="thunder+memopt and thunder+memopt-offload: MemoryOptimization(head_gradients=...), "
+                                  "where the fused loss head computes its gradients (default: as the budget sets it)")
     compilation.add_argument("--fusion", choices=sorted(backends.FUSION), default="on",
                              help="thunder+fusion and thunder+memopt: thunder_memopt.executors(fusion=...); off runs "
                                   "every op as plain Thunder does (bit-identical)")
@@ -189,7 +192,7 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                           simulated=args.simulate_world_size is not None, head_unit=args.head_unit),
         compilation=Compilation(backend=args.compile[0],
                                 memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
-                                fusion=args.fusion),
+                                fusion=args.fusion, head_gradients=args.memopt_head_gradients),
         measurement=Measurement(warmup=args.warmup, iters=args.iters, profile=args.profile,
                                 first_step_profile=args.first_step_profile),
     )

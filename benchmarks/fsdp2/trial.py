@@ -95,6 +95,8 @@ class Compilation:
     fusion: str = "on"  # thunder_memopt.executors(fusion=...): on or off (backends.FUSION)
     # thunder+memopt-offload: MemoryOptimization(offload_budget=...); None: its budget.
     offload_keep: float | None = None
+    # thunder+memopt and -offload: MemoryOptimization(head_gradients=...); None: as the budget sets it.
+    head_gradients: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
