@@ -33,6 +33,26 @@ def tokens(model: torch.nn.Module, batch: int, seq_len: int, seed: int = 1) -> t
     return torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
 
 
+def train_steps(model: torch.nn.Module, backend, x: torch.Tensor, steps: int,
+                parameters: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """``steps`` AdamW steps of ``torch.compile(model, backend=backend)`` on ``model(input_ids=x,
+    labels=x)``: each step's loss (detached) and the bytes saved for backward in the last step, less
+    ``parameters`` (the local tensors of the parameters: under FSDP2 their shards)."""
+    from thunder_memopt.measure import measure_saved
+
+    compiled = torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    losses, saved = [], 0
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        measured = measure_saved(compiled, input_ids=x, labels=x, parameters=parameters)
+        measured.output.loss.backward()
+        optimizer.step()
+        losses.append(measured.output.loss.detach())
+        saved = measured.activation_bytes
+    return losses, saved
+
+
 def symbol_names(backend) -> set[str]:
     """The names of the bound symbols in the last forward and backward traces of every Thunder region
     that a ``thunderfx_backend`` (or ``ThunderCompiler``) compiled."""

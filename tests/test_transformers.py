@@ -20,9 +20,8 @@ import thunder
 import torch
 from thunder.dynamo import ThunderCompiler
 
-from _hf import FAMILIES, build, tokens
+from _hf import FAMILIES, build, tokens, train_steps
 from thunder_memopt import thunderfx_backend
-from thunder_memopt.measure import measure_saved
 
 STEPS = 3
 
@@ -38,17 +37,7 @@ class Training(NamedTuple):
 def _train(family: str, backend) -> Training:
     torch._dynamo.reset()
     model = build(family)
-    x = tokens(model, 2, 32)
-    compiled = torch.compile(model, backend=backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    losses, saved = [], 0
-    for _ in range(STEPS):
-        optimizer.zero_grad(set_to_none=True)
-        measured = measure_saved(compiled, input_ids=x, labels=x, parameters=list(model.parameters()))
-        measured.output.loss.backward()
-        optimizer.step()
-        losses.append(measured.output.loss.detach())
-        saved = measured.activation_bytes
+    losses, saved = train_steps(model, backend, tokens(model, 2, 32), STEPS, list(model.parameters()))
     compiler = getattr(backend, "compiler", backend)
     regions = [thunder.last_traces(fn) for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
     reasons = " ".join(r.info for info in compiler.subgraph_infos for r in info.split_reasons)

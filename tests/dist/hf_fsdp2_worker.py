@@ -23,10 +23,9 @@ from torch.distributed.fsdp import fully_shard
 
 from _common import finish, max_grad_diff
 from thunder_memopt import thunderfx_backend
-from thunder_memopt.measure import measure_saved
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the models the tests share
-from _hf import build, tokens  # noqa: E402
+from _hf import build, tokens, train_steps  # noqa: E402
 
 STEPS = 3
 
@@ -37,17 +36,9 @@ def train(backend) -> dict:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    x = tokens(model, 2, 32)
-    compiled = torch.compile(model, backend=backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    losses, saved = [], 0
-    for _ in range(STEPS):
-        optimizer.zero_grad(set_to_none=True)
-        measured = measure_saved(compiled, input_ids=x, labels=x, parameters=[p.to_local() for p in model.parameters()])
-        measured.output.loss.backward()
-        optimizer.step()
-        losses.append(measured.output.loss.item())
-        saved = measured.activation_bytes
+    losses, saved = train_steps(model, backend, tokens(model, 2, 32), STEPS,
+                                [p.to_local() for p in model.parameters()])
+    losses = [loss.item() for loss in losses]
     compiler = getattr(backend, "compiler", backend)
     fns = [fn for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
     proven = {id(t) for fn in fns for t in thunder.last_traces(fn) if "causal_mask" in str(t.get_provenance())}
