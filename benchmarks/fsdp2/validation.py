@@ -60,11 +60,11 @@ COLUMNS = [
     ("backend", lambda e: backends.label(e.real)),
     ("peak alloc GiB, simulated / real", lambda e: f"{tables.number(e.simulated['peak_alloc_max'], '.2f', tables.GIB)}"
                                                    f" / {tables.number(e.real['peak_alloc_max'], '.2f', tables.GIB)}"),
-    ("error", lambda e: percent(e.error("peak_alloc_max"))),
+    ("alloc error", lambda e: percent(e.error("peak_alloc_max"))),
     ("peak reserved GiB, simulated / real",
      lambda e: f"{tables.number(e.simulated.get('peak_reserved_max'), '.2f', tables.GIB)}"
                f" / {tables.number(e.real.get('peak_reserved_max'), '.2f', tables.GIB)}"),
-    ("error ", lambda e: percent(e.error("peak_reserved_max"))),
+    ("reserved error", lambda e: percent(e.error("peak_reserved_max"))),
     ("compute ms simulated / real step ms", lambda e: f"{tables.number(e.simulated.get('sim_compute_ms'), '.0f')}"
                                                       f" / {tables.number(e.real.get('step_ms'), '.0f')}"),
     ("step ms modelled", lambda e: tables.number(e.simulated.get("sim_step_ms"), ".0f")),
