@@ -59,12 +59,15 @@
 #   sim-llama3-8b-head
 #                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at 1.0 with the loss
 #                   head's gradients in the backward (--memopt-head-gradients backward), in one invocation
+#   sim-llama3-8b-rungs
+#                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at budgets 0.99 and 0.95
+#                   with the loss head's gradients in the forward (--memopt-head-gradients forward), in one invocation
 #   sim-sc32        SIMULATED rank 0 of 8: stablecode 32 layers, zero2, T=8192 and 16384 in one invocation,
 #                   every backend
 #   sim-sc32-maxT-inductor sim-sc32-maxT-memopt sim-sc32-maxT-offload sim-sc32-maxT-eager-ac
 #                   SIMULATED rank 0 of 8: the longest T that fits, stablecode 32 layers, zero2
 #   sim-llama3-70b  SIMULATED rank 0 of 64: Llama-3-70B, 80 layers, zero3, T=8192: eager-ac, inductor,
-#                   thunder+memopt at 1.0 and 0.0, thunder+memopt-offload at 0.0
+#                   thunder+memopt and thunder+memopt-offload at 1.0 and 0.0
 #   pareto          one GPU, FSDP2 with one rank, stablecode 8 layers, T=8192, zero2, in one invocation: eager,
 #                   eager-ac, inductor (budget 1.0, torch's default), inductor-budget at 0.75, 0.5, 0.25 and 0.0,
 #                   thunder, thunder+fusion, thunder+memopt at 1.0, 0.75, 0.5, 0.25 and 0.0, and
@@ -217,6 +220,10 @@ case "$GROUP" in
         simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
             --compile inductor thunder+memopt --memopt-budget 1.0 --memopt-head-gradients backward \
             --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_head_backward.jsonl" ;;
+    sim-llama3-8b-rungs)
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
+            --compile inductor thunder+memopt --memopt-budget 0.99 0.95 --memopt-head-gradients forward \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_head_forward.jsonl" ;;
     sim-sc32)
         simulated 8 --model-name stablecode-completion-alpha-3b --n-layer 32 --block-size 8192 16384 --shard-mode zero2 \
             --compile "${ALL_BACKENDS[@]}" --out "$OUT/stablecode_32l_zero2_sim8.jsonl" ;;
