@@ -26,6 +26,7 @@ LONGEST_FIRST = (
     "test_long_run.py",  # 75, four torchrun jobs
     "test_checkpoint.py",  # 60
     "test_transformers.py",  # 55
+    "test_fit.py",  # 50
     "test_schedule.py",
     "test_readme.py",
     "test_simulation.py",

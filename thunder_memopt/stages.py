@@ -25,13 +25,14 @@ from thunder_memopt.core.cost import DeviceRates, measure_rates
 from thunder_memopt.core.memory import backward_storages, simulated_strides
 from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.fusion import InductorFusionExecutor
-from thunder_memopt.passes import collectives, donate, recompute, schedule
+from thunder_memopt.passes import collectives, donate, fit, recompute, schedule
 from thunder_memopt.passes import offload as offload_module
 
 __all__ = [
     "Pair",
     "Stage",
     "RecomputeStage",
+    "FitPlanner",
     "FusionStage",
     "CollectivesStage",
     "ScheduleStage",
@@ -111,20 +112,79 @@ class _Ladder:
     rung: int = 0  # the plan the forward takes
 
 
+class FitPlanner:
+    """The state of ``memory_limit`` across a transform's programs: the limit as given, the margin
+    and each program's calls per step once a check has measured them, and each program's choice
+    (``passes.fit``). Programs are known by the tensors Thunder's forward saves (``key``), which a
+    program compiled again saves under the same names; structurally identical programs compiled
+    apart share a key, and count as one program called by each."""
+
+    def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None) -> None:
+        self.limit, self.rates = limit, rates
+        self.margin_bytes = 0
+        self.replanned = False  # whether a check has asked for the second plan
+        self.calls: dict[tuple, int] = {}
+        self.choices: dict[tuple, fit.FitChoice] = {}
+        self.device: torch.device | None = None  # the device of the latest program planned
+        self.last_check: fit.FitCheck | None = None
+
+    def choose(self, plans: list[recompute.RecomputePlan], forward: TraceCtx, backward: TraceCtx) -> int:
+        """The rung of ``plans`` (a ladder of ``forward``, its backward ``backward``) that the limit
+        takes, recorded in ``choices``."""
+        device = torch.device(next(iter(_devices(forward)), "cpu"))
+        memory = fit.device_memory(device)
+        limit = fit.resolve_memory_limit(self.limit, memory)
+        estimates = recompute.price_ladder(plans, forward, backward)
+        rates = self.rates or (measure_rates(device) if memory is not None else fit.NOMINAL_RATES)
+        rungs = [fit.RungCost(plan.saved_bytes_after, estimate.peak_bytes, fit.recompute_seconds(plan, rates))
+                 for plan, estimate in zip(plans, estimates)]
+        static = estimates[0].forward.input_bytes if memory is None else memory.allocated
+        key = self.key(forward)
+        terms = fit.StepTerms(static, self.calls.get(key, 1), self.margin_bytes)
+        choice = fit.choose_by_limit(rungs, terms, limit)
+        if not choice.fits:
+            warnings.warn(f"thunder_memopt: no recompute plan fits memory_limit={limit} bytes; the lowest "
+                          f"predicted peak, {choice.predicted_peak_bytes} bytes, is taken")
+        self.choices[key] = choice
+        self.device = device
+        return choice.rung
+
+    @staticmethod
+    def key(forward: TraceCtx) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """A program's key: the name, shape and dtype of each tensor Thunder's forward saves."""
+        return tuple((t.name, tuple(t.shape), str(t.dtype)) for t in saved_proxies(forward)[0])
+
+    def report(self) -> fit.FitReport | None:
+        return fit.FitReport(tuple(self.choices.values()), self.last_check) if self.choices else None
+
+    def check(self, measured_bytes: int, calls: dict[tuple, int]) -> fit.FitCheck:
+        """``measured_bytes``, a step's peak, against the prediction with each program's ``calls`` per
+        step as counted (``fit.check_fit``); where it asks for the second plan, the margin it takes."""
+        self.calls.update(calls)
+        predicted = max(dataclasses.replace(c.terms, calls=self.calls.get(key, c.terms.calls)).peak(c.rungs[c.rung])
+                        for key, c in self.choices.items())
+        check = fit.check_fit(predicted, measured_bytes, self.report().limit_bytes,
+                              margin_bytes=self.margin_bytes, replanned=self.replanned)
+        if check.replan:
+            self.margin_bytes, self.replanned = check.margin_bytes, True
+        self.last_check = check
+        return check
+
+
 class RecomputeStage(Stage):
     """Plans the recompute ladder on the forward, its regions taken apart, and applies the default
-    rung; in the backward, picks the rung by the budget."""
+    rung; in the backward, picks the rung by the budget, or by the memory limit (``fit``)."""
 
     name = "recompute"
 
-    def __init__(self, budget: float) -> None:
-        self.budget = budget
+    def __init__(self, budget: float, fit_planner: FitPlanner | None = None) -> None:
+        self.budget, self.fit = budget, fit_planner
 
     def forward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, _Ladder]:
         flat = trace if pair.fusion is None else pair.fusion.unfuse(trace)
         # With fusion, saved views are replayed from their bases so that regions stay whole.
-        ladder = recompute.plan_ladder(flat, steps=0 if self.budget == 1.0 else _LADDER_STEPS,
-                                       replay_saved_views=pair.fusion is not None)
+        steps = 0 if self.budget == 1.0 and self.fit is None else _LADDER_STEPS
+        ladder = recompute.plan_ladder(flat, steps=steps, replay_saved_views=pair.fusion is not None)
         return ladder[0].apply_to_forward(flat), _Ladder(given=trace, original=flat, plans=ladder)
 
     def runs_backward(self, pair: Pair) -> bool:
@@ -133,13 +193,16 @@ class RecomputeStage(Stage):
     def backward(self, trace: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx | None]:
         ladder = pair.carries[self.name]
         flat = trace if pair.fusion is None else pair.fusion.unfuse(trace)
-        if len(ladder.plans) == 1:
-            return flat, None
-        k, forward = recompute.choose_by_budget(ladder.plans, ladder.original, flat, self.budget)
+        if self.fit is not None:
+            k = self.fit.choose(ladder.plans, ladder.original, flat)
+        elif len(ladder.plans) > 1:
+            k = recompute.choose_by_budget(ladder.plans, ladder.original, flat, self.budget)
+        else:
+            k = 0
         if not k:
             return flat, None
         pair.carries[self.name] = dataclasses.replace(ladder, rung=k)
-        return flat, forward
+        return flat, ladder.plans[k].apply_to_forward(ladder.original)
 
 
 class FusionStage(Stage):
@@ -300,6 +363,12 @@ def fuse_forward(
     return (forward, plan) if fusion is None else fusion.fuse_with_replays(forward, plan)
 
 
+def _devices(forward: TraceCtx) -> list[str]:
+    """The devices of the tensors ``forward`` saves, sorted (CUDA's before CPU's)."""
+    devices = {t.device.device_str() for t in saved_proxies(forward)[0]}
+    return sorted(devices, key=lambda d: (not d.startswith("cuda"), d))
+
+
 def _cuda_devices(forward: TraceCtx) -> list[str]:
     """The CUDA devices of the tensors ``forward`` saves, sorted."""
-    return sorted({d for t in saved_proxies(forward)[0] if (d := t.device.device_str()).startswith("cuda")})
+    return [d for d in _devices(forward) if d.startswith("cuda")]

@@ -45,6 +45,12 @@ with one warning. The exceptions, where the forward handed back to Thunder alrea
 stage, are ``may_fall_back``'s. When a budget picks another recompute rung, the later stages'
 forwards run again on it, and it replaces the forward handed back (``Pair.replace_forward``).
 
+With ``memory_limit``, the recompute stage's backward takes the rung by the limit on the whole
+step's predicted peak instead of by the budget (thunder_memopt.passes.fit, ``stages.FitPlanner``);
+``check_fit`` compares a step's measured peak, and the first time it is over the limit, clears the
+caches of the functions jitted with the instance (Thunder hands each to ``transform_module``), so
+that their next calls compile and plan again with the error as the margin.
+
 The forward decides what the backward must recompute and re-gather, so what a forward leaves for
 its backward (the stages' carries, the forward handed back) is one record, keyed by the tensors
 Thunder's forward saves, which are the backward's inputs; ThunderCompiler shares one transform
@@ -58,9 +64,13 @@ import gc
 import numbers
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
+import thunder
+import torch
+from thunder.core.module import ThunderModule
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
 
@@ -69,11 +79,12 @@ from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
-from thunder_memopt.passes import causal_mask, collectives, loss_head, schedule
+from thunder_memopt.passes import causal_mask, collectives, fit, loss_head, schedule
 from thunder_memopt.passes import offload as offload_module
 from thunder_memopt.stages import (
     CollectivesStage,
     DonationStage,
+    FitPlanner,
     FusionStage,
     OffloadStage,
     Pair,
@@ -130,7 +141,16 @@ class MemoryOptimization(Transform):
             one matmul less, through a tokens x vocabulary buffer at the end of the forward, where
             every layer's saved tensors are alive (2 GiB for Llama-3's vocabulary at T=8192);
             "backward": it recomputes its logits in the backward, in chunks, and holds nothing of
-            that size. None: "forward" at ``activation_budget=1.0`` without offload, else "backward".
+            that size. None: "forward" at ``activation_budget=1.0`` without offload or a memory limit,
+            else "backward".
+        memory_limit: the memory the whole step may take, instead of a budget: bytes (an int), a
+            fraction of the CUDA device's total memory (a float in (0, 1]) or "auto" (what the process
+            could allocate at the first compile, less ``fit.AUTO_MARGIN`` of the device's memory).
+            Each program takes the rung of the recompute ladder with the least modelled recompute
+            time whose predicted whole-step peak is under it (thunder_memopt.passes.fit);
+            ``check_fit`` after a step compares the measured peak, and plans once more where it is
+            over. It chooses what ``activation_budget`` would, so a budget below 1.0 with it is a
+            ValueError; offload, where asked for, runs on the rung it chose.
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
     replays run in the forward's compiled regions and the loss head is fused; with Thunder's
@@ -148,8 +168,13 @@ class MemoryOptimization(Transform):
         offload_budget: float | None = None,
         offload_rates: DeviceRates | None = None,
         head_gradients: str | None = None,
+        memory_limit: fit.MemoryLimit | None = None,
     ) -> None:
         _check_fraction("activation_budget", activation_budget)
+        fit.check_memory_limit(memory_limit)
+        if memory_limit is not None and activation_budget != 1.0:
+            raise ValueError(f"memory_limit and activation_budget={activation_budget} each choose the recompute "
+                             "plan; give one of them")
         if isinstance(passes, str) or not isinstance(passes, Iterable):
             raise TypeError(f"passes must be a sequence of pass names from {list(PASSES)}, got {passes!r}")
         passes = tuple(passes)
@@ -170,18 +195,23 @@ class MemoryOptimization(Transform):
         unknown = [p for p in passes if p not in PASSES]
         if unknown:
             raise ValueError(f"unknown pass names {unknown}; known passes are {list(PASSES)}")
+        if memory_limit is not None and "recompute" not in passes:
+            raise ValueError("memory_limit chooses the recompute pass's plan; passes must include 'recompute'")
         self.activation_budget = float(activation_budget)
         self.passes = tuple(p for p in PASSES if p in passes)
         self.offload = offload_module.OffloadMode(offload)
         self.offload_budget = self.activation_budget if offload_budget is None else float(offload_budget)
         self.offload_rates = offload_rates
         self.head_gradients = head_gradients
+        self.memory_limit = memory_limit
+        self._fit = None if memory_limit is None else FitPlanner(memory_limit, offload_rates)
+        self._modules: list[weakref.ref[ThunderModule]] = []  # those jitted with this instance
         self._schedule = ScheduleStage()
         self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
         self._donation = DonationStage()
         # The stages of each pass on the post-optimization traces, in the order of PASSES.
         stages_of = {
-            "recompute": (RecomputeStage(self.activation_budget), FusionStage()),
+            "recompute": (RecomputeStage(self.activation_budget, self._fit), FusionStage()),
             "collectives": (CollectivesStage(prefetch, zero3),),
             "schedule": (self._schedule,),
         }
@@ -209,11 +239,46 @@ class MemoryOptimization(Transform):
         """The offload pass's plans, one per pair it offloaded."""
         return self._offload.plans
 
+    @property
+    def fit_report(self) -> fit.FitReport | None:
+        """With ``memory_limit``: each program's choice (the limit, the predicted whole-step peak of
+        every rung, the rung taken) and the latest ``check_fit``; None before the first compile."""
+        return None if self._fit is None else self._fit.report()
+
+    def check_fit(self, measured_bytes: int | None = None) -> fit.FitCheck:
+        """After a step, its peak against the prediction (also kept in ``fit_report.check``).
+
+        ``measured_bytes``: the step's peak; None reads ``torch.cuda.max_memory_allocated`` on the
+        planned device (reset its peak before the step). Each program's calls per step are counted
+        from Thunder's compile statistics. The first time the peak is over the limit, every
+        function jitted with this instance is planned again at its next call, with the measured
+        error as the margin and the calls counted."""
+        if self._fit is None or self._fit.report() is None:
+            raise ValueError("check_fit needs MemoryOptimization(memory_limit=...) and a compiled step")
+        if measured_bytes is not None and not (isinstance(measured_bytes, numbers.Integral)
+                                               and not isinstance(measured_bytes, bool) and measured_bytes >= 0):
+            raise ValueError(f"check_fit's measured_bytes must be None or an int >= 0, got {measured_bytes!r}")
+        if measured_bytes is None:
+            if self._fit.device.type != "cuda":
+                raise ValueError(f"check_fit reads a CUDA device's peak; on {self._fit.device} pass measured_bytes")
+            measured_bytes = torch.cuda.max_memory_allocated(self._fit.device)
+        modules = [m for ref in self._modules if (m := ref()) is not None]
+        check = self._fit.check(measured_bytes, _calls_per_step(modules, self._fit.choices))
+        if check.replan:
+            for module in modules:
+                thunder.compile_stats(module).interpreter_cache.clear()
+        return check
+
+    def transform_module(self, model: ThunderModule) -> None:
+        # Thunder hands over each module jitted with this instance (ThunderCompiler: each subgraph's),
+        # whose compile statistics count its calls and whose cache a second plan clears.
+        self._modules.append(weakref.ref(model))
+
     def __repr__(self) -> str:
         return (
             f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
             f"offload={self.offload.value!r}, offload_budget={self.offload_budget}, "
-            f"head_gradients={self.head_gradients!r})"
+            f"head_gradients={self.head_gradients!r}, memory_limit={self.memory_limit!r})"
         )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
@@ -226,10 +291,11 @@ class MemoryOptimization(Transform):
                 computation_trace = causal
         if "loss_head" in self.passes and linear_cross_entropy_ex in executors_list:
             # At budget 1.0 (time first) the head computes its gradients in the forward, one matmul
-            # less, through a logits' gradient buffer of tokens x vocabulary. Below it, and with offload
-            # (the long-context setting: memory first), it recomputes its logits in the backward and
+            # less, through a logits' gradient buffer of tokens x vocabulary. Below it, with offload
+            # and with a memory limit (memory first), it recomputes its logits in the backward and
             # holds nothing of that size. head_gradients, where given, chooses instead.
             in_forward = (self.activation_budget == 1.0 and self.offload is offload_module.OffloadMode.OFF
+                          and self.memory_limit is None
                           if self.head_gradients is None else self.head_gradients == "forward")
             fused = self._guarded("loss_head", "the loss unfused",
                                   lambda: loss_head.fuse_loss_heads(computation_trace, gradients_in_forward=in_forward))
@@ -341,6 +407,22 @@ def _cyclic_gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _calls_per_step(modules: Sequence[ThunderModule], programs: Iterable[tuple]) -> dict[tuple, int]:
+    """Each program's calls per step, by ``FitPlanner.key``: its modules' calls (Thunder's compile
+    statistics) over those of the program called least, which runs once a step (the model's under
+    thunder.jit, the loss's under ThunderCompiler)."""
+    programs = set(programs)
+    calls: dict[tuple, int] = {}
+    for module in modules:
+        stats = thunder.compile_stats(module)
+        forwards = [t for t in stats.last_traces or () if TraceTag.AUGMENTED_FORWARD in t.tags]  # None: never called
+        key = next((k for t in forwards if (k := FitPlanner.key(t)) in programs), None)
+        if key is not None:
+            calls[key] = calls.get(key, 0) + stats.calls
+    steps = min(calls.values(), default=1)
+    return {key: max(1, round(n / steps)) for key, n in calls.items()}
 
 
 def _fusion_executor(executors_list: Sequence) -> InductorFusionExecutor | None:

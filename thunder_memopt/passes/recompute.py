@@ -32,7 +32,14 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, from_trace
 
 from thunder_memopt.core.cost import estimate_flops
-from thunder_memopt.core.memory import SymbolFacts, TensorInfo, estimate_step, is_parameter, storage_roots
+from thunder_memopt.core.memory import (
+    StepEstimate,
+    SymbolFacts,
+    TensorInfo,
+    estimate_step,
+    is_parameter,
+    storage_roots,
+)
 from thunder_memopt.core.ops import OpKind, moves_data, op_kind
 from thunder_memopt.core.trace import (
     SavedSetChange,
@@ -49,6 +56,7 @@ __all__ = [
     "RecomputePlan",
     "plan_recompute",
     "plan_ladder",
+    "price_ladder",
     "choose_by_budget",
 ]
 
@@ -252,8 +260,8 @@ def plan_ladder(forward_trace: TraceCtx, *, steps: int = 8, replay_saved_views: 
 
     Rung k also replays the cheapest-FLOPs k/steps of the expensive ops (matmuls, attention) that
     are not segment checkpoints (see ``_checkpoints``). Allowing more ops can only lower the min
-    cut, so saved bytes fall along the ladder. Which rung a budget takes is decided by
-    ``choose_by_budget`` once the backward trace is known.
+    cut, so saved bytes fall along the ladder. Which rung is taken is decided once the backward trace
+    is known: by ``choose_by_budget``, or under a memory limit by ``passes.fit.choose_by_limit``.
     """
     g = _forward_graph(forward_trace)
     cheap = [k is OpKind.CHEAP for k in g.kinds]
@@ -289,18 +297,10 @@ def _plan(g: _ForwardGraph, before: int, saved: set[str], replay: set[int], afte
     )
 
 
-def choose_by_budget(
-    plans: Sequence[RecomputePlan], forward_trace: TraceCtx, backward_trace: TraceCtx, budget: float
-) -> tuple[int, TraceCtx]:
-    """The rung a budget takes, with its forward trace (the caller replays the rung in its backward).
-
-    Each rung is applied to both traces and priced by ``memory.estimate_step``. The budget places a
-    target between the lowest estimated peak (0.0) and the default's (1.0), and the rung with the
-    least recompute that meets it wins. A lower budget only removes rungs that a higher one could
-    have taken, so the estimated peak never rises as the budget falls; torch's
-    activation_memory_budget does not guarantee that (pytorch #197838). Budget 0.0 takes, among the
-    rungs at the lowest estimated peak, the one that saves least.
-    """
+def price_ladder(
+    plans: Sequence[RecomputePlan], forward_trace: TraceCtx, backward_trace: TraceCtx
+) -> list[StepEstimate]:
+    """Each rung applied to both traces and priced by ``memory.estimate_step``, in ladder order."""
     # Priced without deletions (the memory model reads liveness from last uses), which saves placing
     # them for every rung; the chosen rung gets them. The rungs' forwards differ only in what they
     # return: one is built, the others take its symbols with another return, and one storage map
@@ -310,15 +310,29 @@ def choose_by_budget(
     # The rungs are made of the same symbols, so one SymbolFacts reads each of them once.
     facts = SymbolFacts()
     forward_infos = storage_roots(forwards[0], facts=facts)
-    peaks = [estimate_step(forward, plan.apply_to_backward(backward_trace, deletions=False),
-                           forward_infos=forward_infos, facts=facts).peak_bytes for forward, plan in zip(forwards, plans)]
+    return [estimate_step(forward, plan.apply_to_backward(backward_trace, deletions=False),
+                          forward_infos=forward_infos, facts=facts) for forward, plan in zip(forwards, plans)]
+
+
+def choose_by_budget(
+    plans: Sequence[RecomputePlan], forward_trace: TraceCtx, backward_trace: TraceCtx, budget: float
+) -> int:
+    """The rung a budget takes (the caller applies it to both traces).
+
+    Each rung is priced by ``price_ladder``. The budget places a target between the lowest estimated
+    peak (0.0) and the default's (1.0), and the rung with the least recompute that meets it wins. A
+    lower budget only removes rungs that a higher one could have taken, so the estimated peak never
+    rises as the budget falls; torch's activation_memory_budget does not guarantee that (pytorch
+    #197838). Budget 0.0 takes, among the rungs at the lowest estimated peak, the one that saves
+    least.
+    """
+    peaks = [estimate.peak_bytes for estimate in price_ladder(plans, forward_trace, backward_trace)]
     target = min(peaks) + budget * (peaks[0] - min(peaks))
     meeting = [k for k, peak in enumerate(peaks) if peak <= target]
     # At 0.0 memory is all that counts: of the rungs at the lowest estimated peak, the one that saves
     # least (the ladder's end is per-block checkpointing), since the estimate can tie rungs whose
     # real peaks differ. Otherwise the least recompute that meets the target.
-    k = min(meeting, key=lambda k: plans[k].saved_bytes_after) if budget == 0.0 else meeting[0]
-    return k, plans[k].apply_to_forward(forward_trace)
+    return min(meeting, key=lambda k: plans[k].saved_bytes_after) if budget == 0.0 else meeting[0]
 
 
 def _returning_saved(forward_trace: TraceCtx, saved: Sequence[TensorProxy]) -> TraceCtx:

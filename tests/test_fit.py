@@ -1,0 +1,250 @@
+"""MemoryOptimization(memory_limit=...): the planner against stated sizes, its monotonicity, bad
+limits, and a thunder.jit step whose plan fits a limit the default's does not, checked and planned
+again."""
+
+import functools
+import warnings
+
+import pytest
+import thunder
+import torch
+
+from thunder_memopt import MemoryOptimization
+from thunder_memopt.measure import measure_saved, peak_live_bytes
+from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
+from thunder_memopt.passes import fit
+from thunder_memopt.passes.fit import DeviceMemory, RungCost, StepTerms
+
+STABLECODE = "stablecode-completion-alpha-3b"
+
+# Four rungs of a program that runs 4 times a step over 100 bytes of static state: (saved, the
+# program's own peak, recompute seconds). Whole-step peaks: 100 + 3 x saved + own peak.
+RUNGS = (
+    RungCost(40, 60, 0.0),  # 280
+    RungCost(25, 50, 1.0),  # 225
+    RungCost(10, 45, 3.0),  # 175
+    RungCost(12, 39, 2.5),  # 175, and less recompute than the rung before
+)
+TERMS = StepTerms(static_bytes=100, calls=4)
+
+
+@pytest.mark.parametrize("limit, rung, fits", [
+    (300, 0, True),  # everything fits: no recompute
+    (250, 1, True),
+    (225, 1, True),  # the limit is inclusive
+    (200, 3, True),  # rungs 2 and 3 fit at 175: the one with less recompute
+    (100, 3, False),  # nothing fits: the lowest peak (2 and 3 tie), the less recompute
+])
+def test_the_choice_against_stated_sizes(limit, rung, fits):
+    choice = fit.choose_by_limit(RUNGS, TERMS, limit)
+    assert (choice.rung, choice.fits) == (rung, fits)
+    assert choice.predicted_peaks == (280, 225, 175, 175)
+    assert choice.predicted_peak_bytes == choice.predicted_peaks[rung]
+
+
+def test_a_margin_and_the_calls_count_in_the_peak():
+    # 30 bytes of margin put rung 1 at 255, over 250; one call a step counts no other call's saves.
+    assert fit.choose_by_limit(RUNGS, StepTerms(100, 4, margin_bytes=30), 250).rung == 3
+    assert fit.choose_by_limit(RUNGS, StepTerms(100, 1), 160).predicted_peaks == (160, 150, 145, 139)
+    assert fit.choose_by_limit(RUNGS, StepTerms(100, 1), 160).rung == 0
+
+
+def test_a_lower_limit_never_gives_a_higher_predicted_peak():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        values = torch.randint(1, 100, (6, 3), generator=generator).tolist()
+        rungs = [RungCost(saved, peak, float(seconds)) for saved, peak, seconds in values]
+        chosen = [fit.choose_by_limit(rungs, TERMS, limit).predicted_peak_bytes for limit in range(600, 0, -7)]
+        assert chosen == sorted(chosen, reverse=True), chosen
+
+
+def test_the_check_plans_again_once_with_the_measured_error_as_margin():
+    check = fit.check_fit(100, 120, 110, margin_bytes=5, replanned=False)
+    assert (check.over, check.replan, check.error_bytes, check.margin_bytes) == (True, True, 20, 25)
+    assert not fit.check_fit(100, 120, 110, margin_bytes=25, replanned=True).replan  # once
+    under = fit.check_fit(100, 105, 110, margin_bytes=0, replanned=False)
+    assert (under.over, under.replan, under.margin_bytes) == (False, False, 0)
+
+
+def test_a_limit_resolves_against_the_device():
+    memory = DeviceMemory(total=1000, free=500, reserved=200, allocated=150)
+    assert fit.resolve_memory_limit(600, memory) == 600
+    assert fit.resolve_memory_limit(0.5, memory) == 500
+    assert fit.resolve_memory_limit("auto", memory) == 500 + 200 - int(fit.AUTO_MARGIN * 1000)
+    assert fit.resolve_memory_limit(600, None) == 600
+
+
+def _one_line_error(kind, run):
+    with pytest.raises(kind) as error:
+        run()
+    assert "\n" not in str(error.value), str(error.value)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("limit, kind", [
+    (-1, ValueError), (0, ValueError), (0.0, ValueError), (1.5, ValueError), ("lots", ValueError),
+    (True, TypeError), ([1 << 30], TypeError), (b"1", TypeError),
+])
+def test_bad_limits_are_one_line_errors(limit, kind):
+    assert "memory_limit" in _one_line_error(kind, lambda: MemoryOptimization(memory_limit=limit))
+
+
+def test_limits_that_need_a_cuda_device_are_one_line_errors(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for limit in (0.5, "auto"):
+        assert "bytes" in _one_line_error(ValueError, lambda: MemoryOptimization(memory_limit=limit))
+    memory = DeviceMemory(total=1000, free=500, reserved=200, allocated=150)
+    assert "more than" in _one_line_error(ValueError, lambda: fit.resolve_memory_limit(1001, memory))
+    assert "not on one" in _one_line_error(ValueError, lambda: fit.resolve_memory_limit(0.5, None))
+
+
+def test_contradicting_options_are_one_line_errors():
+    _one_line_error(ValueError, lambda: MemoryOptimization(memory_limit=1 << 30, activation_budget=0.5))
+    _one_line_error(ValueError, lambda: MemoryOptimization(memory_limit=1 << 30, passes=("schedule",)))
+    with pytest.raises(ValueError, match="memory_limit"):
+        MemoryOptimization().check_fit(1 << 30)
+
+
+class _Training:
+    """Stablecode with one layer (n_embd 256, T=256, bf16) with the loss, under ``thunder.jit`` with
+    ``memopt`` on CPU."""
+
+    def __init__(self, memopt: MemoryOptimization) -> None:
+        config = narrow_config(STABLECODE, n_layer=1, n_embd=256, block_size=256)
+        self.model = build_model(config)
+        self.batch = random_batch(config, batch_size=1, seq_len=256)
+        self.memopt = memopt
+        self.jitted = thunder.jit(GPTWithLoss(self.model), transforms=[memopt])
+
+    def step(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """The loss, the gradients and the saved bytes of a forward and backward."""
+        self.model.zero_grad(set_to_none=True)
+        measured = measure_saved(self.jitted, *self.batch, parameters=self.model.parameters())
+        measured.output.backward()
+        grads = {name: p.grad for name, p in self.model.named_parameters()}
+        return measured.output.detach(), grads, measured.activation_bytes
+
+
+@functools.cache
+def _probe() -> fit.FitChoice:
+    """A limit of one byte, which nothing fits: the predicted whole-step peak of every rung (the
+    lowest is taken, with one warning)."""
+    training = _Training(MemoryOptimization(memory_limit=1))
+    with pytest.warns(UserWarning, match="no recompute plan fits"):
+        training.step()
+    (choice,) = training.memopt.fit_report.choices
+    assert not choice.fits and choice.predicted_peak_bytes == min(choice.predicted_peaks)
+    return choice
+
+
+def test_on_a_real_ladder_a_lower_limit_never_saves_more_nor_predicts_more():
+    probe = _probe()
+    saved, peaks = [], []
+    for limit in sorted(set(probe.predicted_peaks), reverse=True):
+        choice = fit.choose_by_limit(probe.rungs, probe.terms, limit)
+        saved.append(choice.rungs[choice.rung].saved_bytes)
+        peaks.append(choice.predicted_peak_bytes)
+    assert saved == sorted(saved, reverse=True) and peaks == sorted(peaks, reverse=True)
+    assert saved[-1] < saved[0]
+
+
+def test_the_limit_takes_a_plan_that_fits_where_the_default_does_not_with_the_budgets_numerics():
+    probe = _probe()
+    limit = probe.predicted_peaks[0] - 1  # the default plan is over by a byte
+    training = _Training(MemoryOptimization(memory_limit=limit))
+    fitted = training.step()
+    (choice,) = training.memopt.fit_report.choices
+    assert choice.rung > 0 and choice.fits and choice.predicted_peaks[0] > limit >= choice.predicted_peak_bytes
+    # The budget that takes the same rung: a target between its own peak and the higher peaks of
+    # the rungs before it.
+    own = [p - choice.terms.static_bytes for p in choice.predicted_peaks]
+    target = (own[choice.rung] + min(own[:choice.rung])) / 2
+    budget = (target - min(own)) / (own[0] - min(own))
+    budgeted = _Training(MemoryOptimization(activation_budget=budget)).step()
+    assert torch.equal(fitted[0], budgeted[0])
+    assert fitted[1].keys() == budgeted[1].keys()
+    assert all(torch.equal(fitted[1][name], budgeted[1][name]) for name in fitted[1])
+    assert fitted[2] == budgeted[2]
+
+
+def test_a_step_over_the_limit_is_planned_again_once():
+    probe = _probe()
+    limit = probe.predicted_peaks[0]  # the default plan fits, just
+    training = _Training(MemoryOptimization(memory_limit=limit))
+    memopt, jitted = training.memopt, training.jitted
+    first, _, _ = training.step()
+    assert memopt.fit_report.choices[0].rung == 0
+    # On CPU the step's peak is the profiler's live tensor bytes above what was alive before, and
+    # the static term is those inputs: the prediction matches it as the memory model's estimate does.
+    training.model.zero_grad(set_to_none=True)
+    measured = memopt.fit_report.choices[0].terms.static_bytes + peak_live_bytes(
+        lambda: jitted(*training.batch).backward())
+    check = memopt.check_fit(measured)
+    assert check.measured_bytes == pytest.approx(check.predicted_bytes, rel=0.01), check
+    assert not check.replan and thunder.cache_misses(jitted) == 1
+    # A step measured over the limit by half of what the ladder can take off (as optimizer states
+    # made at the first step would be): every function jitted with the transform is planned again at
+    # its next call, with the error as the margin, and the new plan's prediction, margin included,
+    # fits.
+    check = memopt.check_fit(limit + (limit - min(probe.predicted_peaks)) // 2)
+    assert check.replan and check.margin_bytes == check.error_bytes > 0
+    second, _, saved = training.step()
+    assert thunder.cache_misses(jitted) == 2
+    (choice,) = memopt.fit_report.choices
+    assert choice.terms.margin_bytes == check.margin_bytes and choice.rung > 0 and choice.fits
+    assert saved < choice.rungs[0].saved_bytes
+    assert torch.equal(first, second)
+    for bad in (-1, 1.5, "1"):
+        _one_line_error(ValueError, lambda: memopt.check_fit(bad))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not memopt.check_fit(2 * limit).replan  # once
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.out(x), y)
+
+
+def test_under_thunder_compiler_a_program_run_once_per_block_is_counted_so():
+    # Three Blocks compiled one by one, as FSDP2's units are under torch.compile: one program,
+    # called three times a step; the head's, once.
+    from thunder.dynamo import ThunderCompiler
+
+    torch.manual_seed(0)
+    blocks, head = [_Block() for _ in range(3)], _Head()
+    memopt = MemoryOptimization(memory_limit=1 << 20)
+    backend = ThunderCompiler(transforms=[memopt])
+    for module in (*blocks, head):
+        module.compile(backend=backend)
+    x, y = torch.randn(32, 64, requires_grad=True), torch.randint(0, 10, (32,))
+
+    def step() -> None:
+        h = x
+        for block in blocks:
+            h = block(h)
+        head(h, y).backward()
+
+    step()
+    assert [c.terms.calls for c in memopt.fit_report.choices] == [1, 1]
+    block, loss = memopt.fit_report.choices
+    # The check prices the Block's program with the other two calls' saved tensors.
+    check = memopt.check_fit((1 << 20) + 1)
+    three = StepTerms(block.terms.static_bytes, 3, 0).peak(block.rungs[block.rung])
+    assert check.predicted_bytes == max(three, loss.predicted_peak_bytes) and check.replan
+    step()  # planned again, with the calls counted
+    assert [c.terms.calls for c in memopt.fit_report.choices] == [3, 1]
+    assert all(c.fits for c in memopt.fit_report.choices)

@@ -1,0 +1,263 @@
+"""Fit: choose the recompute rung from a memory limit on the whole step's peak, not from a budget.
+
+``MemoryOptimization(memory_limit=...)`` names the memory the step may take. For each compiled
+program (under ``thunder.jit`` the whole model; under FSDP2 with ``torch.compile``, one program per
+distinct graph, a Block's running once per Block), the recompute ladder's rungs
+(``recompute.plan_ladder``) are priced on the real traces (``recompute.price_ladder``), and the rung
+with the least modelled recompute time whose predicted whole-step peak stays under the limit is
+taken (``choose_by_limit``). Where none does, the lowest predicted peak is taken, with one warning.
+
+The whole step's predicted peak, for one rung of one program (``StepTerms.peak``)::
+
+    static + (calls - 1) * saved + pair_peak + margin
+
+- ``static``: what is resident before the program runs and stays through the step. On CUDA,
+  ``torch.cuda.memory_allocated`` at the program's first compile, which is exact for what exists
+  then: parameters, gradients kept from before, optimizer states already made, the batch, and, under
+  FSDP2, its sharded parameters and the unsharded and prefetched ones allocated by then, and the
+  saved tensors of the programs that ran before it in the step (a head compiled after every Block
+  has run counts every Block's). Elsewhere (CPU, meta) the bytes of the forward's inputs, from the
+  trace: parameters, buffers and the batch. Optimizer states made only at the first optimizer step
+  (AdamW's), and FSDP2 buffers allocated after the compile, are not in it: the check after a step
+  measures them.
+- ``saved``: the bytes one call of the program saves for its backward at this rung (storages,
+  parameters excluded: ``RecomputePlan.saved_bytes_after``). The other ``calls - 1`` calls of the
+  same program in a step hold theirs while the last call's backward runs.
+- ``calls``: how many times the program runs per step. At its first compile it is taken as 1,
+  which is exact under ``thunder.jit`` (the model is one program). ``MemoryOptimization.check_fit``
+  counts each program's calls from Thunder's compile statistics (``thunder.compile_stats(fn).calls``,
+  over the calls of the program called least, the loss's), and a second plan counts them.
+- ``pair_peak``: the program's own peak over its forward and backward, from the traces
+  (``memory.estimate_step``): its saved tensors with its largest transient working set (a Block's
+  backward, the loss head's chunks), its gradients, as they are made.
+- ``margin``: 0 at the first plan; after a step measured over the limit, the measured peak less
+  the prediction (``check_fit``), and the one second plan takes it.
+
+The recompute time of a rung is its replayed symbols on the roofline of ``core.cost.op_seconds``:
+on CUDA the device's measured rates (or ``offload_rates`` where given), elsewhere
+``NOMINAL_RATES``, an H200's datasheet figures, which only rank the rungs.
+
+The limit (``resolve_memory_limit``): an ``int`` is bytes; a ``float`` in (0, 1] a fraction of the
+CUDA device's total memory; ``"auto"`` the memory the process could allocate at the first compile
+(the driver's free memory and what torch's caching allocator holds) less ``AUTO_MARGIN`` of the
+device's total, for the allocator's rounding and fragmentation and what other libraries allocate.
+The last two need a CUDA device. The prediction is of allocated bytes (``max_memory_allocated``),
+not of what the allocator reserves.
+
+Pure functions and frozen results, in the style of ``torch/_inductor/memory.py``; the state across
+programs (the limit, the margin, the counted calls) is ``stages.FitPlanner``'s.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from thunder_memopt.core.cost import DeviceRates, op_seconds
+
+if TYPE_CHECKING:
+    from thunder_memopt.passes.recompute import RecomputePlan
+
+__all__ = [
+    "AUTO_MARGIN",
+    "NOMINAL_RATES",
+    "MemoryLimit",
+    "DeviceMemory",
+    "RungCost",
+    "StepTerms",
+    "FitChoice",
+    "FitCheck",
+    "FitReport",
+    "check_memory_limit",
+    "device_memory",
+    "resolve_memory_limit",
+    "recompute_seconds",
+    "choose_by_limit",
+    "check_fit",
+]
+
+MemoryLimit = int | float | str
+
+# Of the device's total memory, kept free under memory_limit="auto".
+AUTO_MARGIN = 0.05
+# An H200's datasheet rates (bf16 dense FLOPs, HBM bandwidth, PCIe 5 copies), to rank rungs where
+# no device is measured.
+NOMINAL_RATES = DeviceRates(to_host=55e9, to_device=55e9, flops=989e12, memory=4.8e12)
+
+_KINDS = "bytes (an int > 0), a fraction of the CUDA device's memory (a float in (0, 1]) or 'auto'"
+
+
+def check_memory_limit(value: object) -> None:
+    """A ``memory_limit`` that can be resolved: a TypeError or ValueError of one line otherwise,
+    where it is built. A fraction or "auto" without any CUDA device is a ValueError here."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | str):
+        raise TypeError(f"memory_limit must be {_KINDS}, got {value!r}")
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f"memory_limit must be {_KINDS}, got {value!r}")
+    elif isinstance(value, numbers.Integral):
+        if value <= 0:
+            raise ValueError(f"memory_limit in bytes must be > 0, got {value}")
+        return
+    elif not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"memory_limit as a fraction of the device's memory must be in (0, 1], got {value}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"memory_limit={value!r} is relative to a CUDA device's memory and there is none; "
+                         "give the limit in bytes (an int)")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory at one moment, in bytes."""
+
+    total: int
+    free: int  # the driver's free memory (``torch.cuda.mem_get_info``)
+    reserved: int  # held by torch's caching allocator
+    allocated: int  # of that, in tensors
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """The device's memory now; None for a device that is not CUDA."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
+                        allocated=torch.cuda.memory_allocated(device))
+
+
+def resolve_memory_limit(value: MemoryLimit, memory: DeviceMemory | None) -> int:
+    """The limit in bytes (see the module docstring); ``memory`` None: the traces are not on CUDA,
+    where only bytes can be a limit. A one-line ValueError where it cannot be resolved."""
+    if isinstance(value, numbers.Integral):
+        if memory is not None and value > memory.total:
+            raise ValueError(f"memory_limit={value} bytes is more than the device's {memory.total}")
+        return int(value)
+    if memory is None:
+        raise ValueError(f"memory_limit={value!r} is relative to a CUDA device's memory, and the model is "
+                         "not on one; give the limit in bytes (an int)")
+    if value == "auto":
+        return memory.free + memory.reserved - int(AUTO_MARGIN * memory.total)
+    return int(float(value) * memory.total)
+
+
+@dataclass(frozen=True)
+class RungCost:
+    """One rung of a program's ladder, as the fit prices it."""
+
+    saved_bytes: int  # what one call saves for its backward
+    pair_peak_bytes: int  # the program's own peak over its forward and backward (estimate_step)
+    recompute_seconds: float  # its replayed symbols on the roofline
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """The terms of the whole step's peak that do not depend on the rung (module docstring)."""
+
+    static_bytes: int
+    calls: int = 1
+    margin_bytes: int = 0
+
+    def peak(self, rung: RungCost) -> int:
+        """The whole step's predicted peak at ``rung``."""
+        return self.static_bytes + (self.calls - 1) * rung.saved_bytes + rung.pair_peak_bytes + self.margin_bytes
+
+
+@dataclass(frozen=True)
+class FitChoice:
+    """The rung a limit takes for one program, with what it was chosen from."""
+
+    rung: int
+    limit_bytes: int
+    terms: StepTerms
+    rungs: tuple[RungCost, ...]
+
+    @property
+    def predicted_peaks(self) -> tuple[int, ...]:
+        """The whole step's predicted peak at each rung."""
+        return tuple(self.terms.peak(r) for r in self.rungs)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.terms.peak(self.rungs[self.rung])
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_peak_bytes <= self.limit_bytes
+
+
+def recompute_seconds(plan: RecomputePlan, rates: DeviceRates) -> float:
+    """The modelled time of what the plan's backward replays."""
+    return sum(op_seconds(b, rates) for b in plan.replayed)
+
+
+def choose_by_limit(rungs: Sequence[RungCost], terms: StepTerms, limit_bytes: int) -> FitChoice:
+    """Of the rungs whose predicted whole-step peak is at most ``limit_bytes``, the one with the least
+    recompute time (ties: the lower peak, then the earlier rung); where none is, the lowest peak.
+
+    A lower limit only removes rungs a higher one could take, so the predicted peak of the choice
+    never rises as the limit falls."""
+    peaks = [terms.peak(r) for r in rungs]
+    fitting = [k for k, peak in enumerate(peaks) if peak <= limit_bytes]
+    if fitting:
+        k = min(fitting, key=lambda k: (rungs[k].recompute_seconds, peaks[k], k))
+    else:
+        k = min(range(len(rungs)), key=lambda k: (peaks[k], rungs[k].recompute_seconds, k))
+    return FitChoice(rung=k, limit_bytes=limit_bytes, terms=terms, rungs=tuple(rungs))
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """A step's measured peak against the prediction, and what follows."""
+
+    limit_bytes: int
+    predicted_bytes: int
+    measured_bytes: int
+    replan: bool  # the programs are planned once more, with ``margin_bytes``
+    margin_bytes: int  # the margin of the next plan (the current one where there is none)
+
+    @property
+    def error_bytes(self) -> int:
+        """Measured less predicted."""
+        return self.measured_bytes - self.predicted_bytes
+
+    @property
+    def over(self) -> bool:
+        return self.measured_bytes > self.limit_bytes
+
+
+def check_fit(predicted_bytes: int, measured_bytes: int, limit_bytes: int, *, margin_bytes: int,
+              replanned: bool) -> FitCheck:
+    """``measured_bytes`` against ``predicted_bytes`` (which includes ``margin_bytes``): where the
+    measured peak is over the limit and no second plan was made yet, one is, its margin raised by the
+    measured error."""
+    replan = measured_bytes > limit_bytes and not replanned
+    margin = margin_bytes + max(0, measured_bytes - predicted_bytes) if replan else margin_bytes
+    return FitCheck(limit_bytes=limit_bytes, predicted_bytes=predicted_bytes, measured_bytes=measured_bytes,
+                    replan=replan, margin_bytes=margin)
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """What ``MemoryOptimization(memory_limit=...)`` chose, program by program, and its latest check."""
+
+    choices: tuple[FitChoice, ...]  # one per program, in compile order
+    check: FitCheck | None
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.choices[-1].limit_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The whole step's predicted peak: the largest of the programs' predictions."""
+        return max(c.predicted_peak_bytes for c in self.choices)
+
+    @property
+    def fits(self) -> bool:
+        return all(c.fits for c in self.choices)
