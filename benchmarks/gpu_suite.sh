@@ -48,6 +48,12 @@
 #                   the same model and setup: inductor, thunder+memopt at 1.0 and thunder+memopt-offload at budget
 #                   1.0 with offload budgets (--offload-keep) 0.5 and 0.25, which take the MLP fc outputs that do not
 #                   hide, with an allocator snapshot per row (issue 16's Llama criterion with recompute at 1.0)
+#   hf-llama3-8b-none
+#                   one GPU, the whole model compiled (--distributed-mode none): transformers' LlamaForCausalLM at
+#                   Llama-3-8B's width (--model-source transformers), 4 layers, T=8192: inductor and thunder+memopt
+#                   in one invocation, losses within 1% (issue 34's acceptance)
+#   hf-fsdp2        one GPU, FSDP2 with one rank, zero2, T=8192, 4 layers: transformers' Llama at Llama-3-8B's width
+#                   and Qwen2 at Qwen2.5-7B's, inductor and thunder+memopt, one invocation per model (issue 34)
 #   sim-validate-zero2 sim-validate-zero3
 #                   SIMULATED (--simulate-world-size 2, one GPU): stablecode 8 layers, T=8192, the head in a unit of
 #                   its own as in the 2 x H200 rows of 2026-11-29/30 (--head-unit own): eager, eager-ac, inductor,
@@ -125,6 +131,14 @@ simulated_longest_block_size() {  # backend, first block size, more options
     simulated 8 --model-name stablecode-completion-alpha-3b --n-layer 32 --shard-mode zero2 --compile "$backend" \
         --find-max-block-size --block-size "$start" --search-granularity 4096 --warmup 1 --iters 1 \
         --out "$OUT/stablecode_32l_zero2_sim8_max_block_size.jsonl" "$@"
+}
+
+transformers_4_layers() {  # model name, its file name (hf_NAME_4l_SETUP_1xH200_T8192), setup, more options
+    local model=$1 name=$2 setup=$3
+    shift 3
+    CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-source transformers --model-name "$model" --n-layer 4 \
+        --block-size 8192 --compile inductor thunder+memopt --loss-rtol 0.01 \
+        --out "$OUT/hf_${name}_4l_${setup}_1xH200_T8192.jsonl" "$@"
 }
 
 tables() {
@@ -205,6 +219,10 @@ case "$GROUP" in
             --memopt-budget 1.0 --offload-budget 1.0 --offload-keep 0.5 0.25 \
             --memory-snapshot "${LOG_DIR:-$OUT}/llama3_8b_offload_keep_snapshots" \
             --out "$OUT/llama3_8b_4l_zero2_1xH200_T8192_fused_adamw_offload_keep.jsonl" ;;
+    hf-llama3-8b-none) transformers_4_layers Llama-3-8B llama3_8b none --distributed-mode none ;;
+    hf-fsdp2)
+        transformers_4_layers Llama-3-8B llama3_8b zero2 --shard-mode zero2
+        transformers_4_layers Qwen2.5-7B qwen2_5_7b zero2 --shard-mode zero2 ;;
     sim-validate-zero2|sim-validate-zero3)
         shard_mode=${GROUP#sim-validate-}
         simulated 2 --model-name stablecode-completion-alpha-3b --n-layer 8 --block-size 8192 --shard-mode "$shard_mode" \

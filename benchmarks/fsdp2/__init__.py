@@ -1,11 +1,12 @@
-"""The FSDP2 benchmark: peak memory and speed of one sharded training step of a litgpt model, per
-compiler backend, each row in fresh processes.
+"""The FSDP2 benchmark: peak memory and speed of one sharded training step of a litgpt model or a
+transformers causal LM, per compiler backend, each row in fresh processes.
 
     backends   the registry: each backend's name, how to build it, its budgets and its own options
     trial      the row schema: a trial's settings in small groups, its measurements, reading rows back
     cli        the command line (``benchmarks/benchmark_fsdp2.py``): flags -> trials
     driver     runs each trial in a fresh torchrun of the worker and appends its row to --out
     worker     one trial on every rank: build, shard, compile, train, measure
+    hf_models  the transformers models (--model-source transformers): their widths, build, FSDP2 units
     profiling  what --profile and --memory-snapshot record
     search     --find-max-block-size: the longest sequence that fits
     tables     markdown tables and plots of the rows (``benchmarks/make_table.py``)

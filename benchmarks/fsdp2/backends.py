@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.fsdp2.trial import FIELD_DEFAULTS, Trial, sharding_of
+from benchmarks.fsdp2.trial import FIELD_DEFAULTS, TRANSFORMERS_SOURCE, Trial, sharding_of
 
 if TYPE_CHECKING:
     import argparse
@@ -53,6 +53,7 @@ class Compiled:
     parameters_owner: torch.nn.Module  # the optimizer takes its parameters
     memopt: Any = None  # thunder+memopt's MemoryOptimization (its pass timings)
     executors: list | None = None  # the Thunder executors, in claim order
+    thunderfx: Any = None  # the ThunderCompiler behind torch.compile (its subgraph_infos), where one runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Backend:
     # (module, trial, device) -> Compiled. The module is sharded already under fsdp2; under
     # thunder-fsdp (thunder backends only) the backend shards it.
     compile: Callable[[torch.nn.Module, Trial, torch.device], Compiled]
-    before_sharding: Callable[[torch.nn.Module], None] | None = None  # applied to the GPT before fully_shard
+    before_sharding: Callable[[torch.nn.Module], None] | None = None  # applied to the model before fully_shard
     budgets: Budgets | None = None
     # The Trial options (trial.Compilation fields) that only this backend reads: --resume compares
     # them for its rows alone, and its labels show them.
@@ -72,12 +73,17 @@ class Backend:
     thunder: bool = False  # compiles with Thunder, so it can also run under thunder-fsdp
 
 
-def checkpoint_every_block(gpt: torch.nn.Module) -> None:
-    """Full activation checkpointing of each transformer Block (non-reentrant)."""
-    from litgpt.model import Block
+def checkpoint_every_block(model: torch.nn.Module) -> None:
+    """Full activation checkpointing of each transformer block (non-reentrant): litgpt's Blocks, or
+    a transformers model's decoder layers."""
+    from litgpt import GPT
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-    apply_activation_checkpointing(gpt, check_fn=lambda module: isinstance(module, Block))
+    from benchmarks.fsdp2 import hf_models
+
+    layers = model.transformer.h if isinstance(model, GPT) else hf_models.decoder_layers(model)
+    blocks = {id(layer) for layer in layers}
+    apply_activation_checkpointing(model, check_fn=lambda module: id(module) in blocks)
 
 
 def as_is(module: torch.nn.Module, trial: Trial, device: torch.device) -> Compiled:
@@ -98,9 +104,9 @@ def inductor_with_budget(module: torch.nn.Module, trial: Trial, device: torch.de
     compiled = torch.compile(module)
     budget = trial.compilation.budget
 
-    def forward(*args: torch.Tensor) -> torch.Tensor:
+    def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> Any:  # a transformers model takes keywords
         with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compiled(*args)
+            return compiled(*args, **kwargs)
 
     return Compiled(forward, module)
 
@@ -109,8 +115,9 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
                      memory_optimization: bool, offload: str = "off") -> Compiled:
     """Thunder with its default executors or thunder_memopt's (``memopt_executors``), with or
     without ``MemoryOptimization`` (and its ``offload`` option): ``torch.compile`` with Thunder as its
-    backend under fsdp2 (FSDP2's hooks need dynamo in front), ``thunder.distributed.fsdp`` of
-    ``thunder.jit`` under thunder-fsdp, ``thunder.jit`` on one device."""
+    backend (ThunderFX) under fsdp2 (FSDP2's hooks need dynamo in front) and for transformers models
+    (ThunderFX is Thunder's way in for them), ``thunder.distributed.fsdp`` of ``thunder.jit`` under
+    thunder-fsdp, ``thunder.jit`` for a litgpt model on one device."""
     import thunder
     import torch
 
@@ -131,16 +138,17 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
         memopt = MemoryOptimization(activation_budget=options.budget, offload=offload, **passes, **keep, **head)
     transforms = [memopt] if memopt is not None else []
     mode = trial.sharding.distributed_mode
-    if mode == "fsdp2":
+    if mode == "fsdp2" or trial.workload.model_source == TRANSFORMERS_SOURCE:
         if memopt is None:
             from thunder.dynamo import ThunderCompiler
 
-            backend = ThunderCompiler(executors=executors)
+            backend = compiler = ThunderCompiler(executors=executors)
         else:
             from thunder_memopt import thunderfx_backend
 
             backend = thunderfx_backend(memopt, executors=executors)
-        return Compiled(torch.compile(module, backend=backend), module, memopt, executors)
+            compiler = backend.compiler
+        return Compiled(torch.compile(module, backend=backend), module, memopt, executors, compiler)
     jitted = thunder.jit(module, transforms=transforms, executors=executors)
     if mode == "thunder-fsdp":
         # thunder 0.2.6's fsdp takes the jitted module and adds its sharding transform.
@@ -257,8 +265,9 @@ def describe_trial(trial: Trial) -> str:
     if numerics.optimizer != FIELD_DEFAULTS["optimizer"]:
         options += f" optimizer={numerics.optimizer}"
     ranks = f"simulated world size {sharding.world_size}" if sharding.simulated else f"world size {sharding.world_size}"
-    return (f"{compilation.backend}{options} T={workload.block_size} ({workload.model}, {workload.n_layer} layers, "
-            f"{sharding_of(trial.key())}, {ranks})")
+    source = "transformers " if workload.model_source == TRANSFORMERS_SOURCE else ""
+    return (f"{compilation.backend}{options} T={workload.block_size} ({source}{workload.model}, "
+            f"{workload.n_layer} layers, {sharding_of(trial.key())}, {ranks})")
 
 
 def main(argv: list[str] | None = None) -> int:

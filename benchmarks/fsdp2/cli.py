@@ -1,4 +1,5 @@
-"""Peak memory and speed of one sharded training step, per compiler backend, on litgpt models.
+"""Peak memory and speed of one sharded training step, per compiler backend, on litgpt models or
+transformers causal LMs (``--model-source``).
 
 What it measures: over ``--warmup`` then ``--iters`` steps of forward, cross-entropy loss, backward
 and AdamW step, the peak allocated and reserved CUDA memory (rank 0 and the maximum over ranks), the
@@ -24,9 +25,9 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.fsdp2 import backends, driver, search, step_model
-from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, HEAD_UNITS, LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation,
-                                    Measurement, Numerics, Sharding, Trial, Workload)
+from benchmarks.fsdp2 import backends, driver, hf_models, search, step_model
+from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, HEAD_UNITS, LOSS_MODES, MODEL_SOURCES, OPTIMIZERS, SHARD_MODES,
+                                    TRANSFORMERS_SOURCE, Compilation, Measurement, Numerics, Sharding, Trial, Workload)
 from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_float, positive_int
 from thunder_memopt.models import DTYPES, narrow_config
 from thunder_memopt.transform import HEAD_GRADIENTS, PASSES
@@ -36,6 +37,9 @@ CPU_DEFAULT_BLOCK_SIZE = 256
 CPU_DEFAULT_N_EMBD = 256
 EXIT_INCOMPLETE = 3  # --time-limit stopped the run; rerun the same command with --resume
 EXIT_NO_ROW = 4  # every row failed (error, OOM or timeout)
+# Each source's --model-name check (argparse's one-line error) and default.
+MODEL_NAMES = {"litgpt": (litgpt_model_name, "stablecode-completion-alpha-3b"),
+               TRANSFORMERS_SOURCE: (hf_models.model_name, "Llama-3-8B")}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
@@ -44,8 +48,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     model = parser.add_argument_group("model")
-    model.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b",
-                       help="a litgpt config name")
+    model.add_argument("--model-source", choices=MODEL_SOURCES, default="litgpt",
+                       help="whose model code: litgpt's GPT, or a transformers causal LM built from its config "
+                            "(random weights, SDPA, use_cache=False) whose loss is model(input_ids=x, labels=x).loss")
+    model.add_argument("--model-name", help="litgpt: a litgpt config name (default "
+                       f"{MODEL_NAMES['litgpt'][1]}); transformers: one of {', '.join(hf_models.MODELS)} (default "
+                       f"{MODEL_NAMES[TRANSFORMERS_SOURCE][1]})")
     model.add_argument("--n-layer", type=positive_int, default=8, help="transformer blocks")
     model.add_argument("--n-embd", type=narrow_width, help="narrow to this width (vocabulary 512); if unset: "
                        f"the real width on GPU, {CPU_DEFAULT_N_EMBD} on CPU")
@@ -146,7 +154,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if args.head_unit != "root" and args.distributed_mode != "fsdp2":
         parser.error(f"--head-unit {args.head_unit} places FSDP2's units: use it with --distributed-mode fsdp2")
     check_simulation(args, parser)
+    check_model(args, parser)
     return args, parser
+
+
+def check_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--model-name for --model-source, and what a transformers model does not combine with."""
+    check_name, default = MODEL_NAMES[args.model_source]
+    try:
+        args.model_name = check_name(args.model_name or default)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"argument --model-name: {error}")
+    if args.model_source != TRANSFORMERS_SOURCE:
+        return
+    if args.distributed_mode == "thunder-fsdp":
+        parser.error("thunder-fsdp shards inside thunder.jit: transformers models run under fsdp2 or none (ThunderFX)")
+    if args.loss_mode != "in-graph":
+        parser.error(f"--loss-mode {args.loss_mode}: a transformers model computes its loss itself, from labels")
+    if args.head_unit != "root":
+        parser.error("--head-unit own: a transformers model's head and loss stay in the root's unit")
+    if args.simulate_world_size is not None:
+        parser.error("--simulate-world-size materializes litgpt models only: use --model-source litgpt")
 
 
 def check_simulation(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -172,8 +200,12 @@ def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         args.n_embd = CPU_DEFAULT_N_EMBD
     if args.block_size is None:
         args.block_size = [GPU_DEFAULT_BLOCK_SIZE if cuda else CPU_DEFAULT_BLOCK_SIZE]
-    config = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd)
-    args.resolved_n_embd, args.vocab_size = config.n_embd, config.padded_vocab_size
+    if args.model_source == TRANSFORMERS_SOURCE:
+        width = hf_models.width(args.model_name, args.n_embd)
+        args.resolved_n_embd, args.vocab_size = width.hidden_size, width.vocab_size
+    else:
+        config = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd)
+        args.resolved_n_embd, args.vocab_size = config.n_embd, config.padded_vocab_size
     if args.find_max_block_size and args.block_size[0] % args.search_granularity:
         parser.error(f"--block-size {args.block_size[0]} (the search's start) must be a multiple of "
                      "--search-granularity")
@@ -184,7 +216,7 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
     return Trial(
         workload=Workload(model=args.model_name, n_layer=args.n_layer, n_embd=args.resolved_n_embd,
                           narrowed=args.n_embd is not None, block_size=args.block_size[0],
-                          micro_batch_size=args.micro_batch_size, seed=args.seed),
+                          micro_batch_size=args.micro_batch_size, seed=args.seed, model_source=args.model_source),
         numerics=Numerics(dtype=str(DTYPES[args.dtype]).removeprefix("torch."), autocast=args.autocast,
                           loss_mode=args.loss_mode, optimizer=args.optimizer),
         sharding=Sharding(distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,

@@ -89,12 +89,17 @@ def describe_environment() -> dict[str, Any]:
     found = json.loads(probe.stdout.strip().splitlines()[-1])
     commit = subprocess.run(["git", "-C", str(REPOSITORY), "describe", "--always", "--dirty"],
                             capture_output=True, text=True)
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:  # an optional extra: litgpt models need none
+        transformers = None
     return {
         "cuda": found["cuda"],
         "gpu": found["gpu"],
         "torch": importlib.metadata.version("torch"),
         "thunder": importlib.metadata.version("lightning-thunder"),
         "litgpt": importlib.metadata.version("litgpt"),
+        "transformers": transformers,
         "memopt_commit": commit.stdout.strip() or None,
         "memopt_tree": git_tree_hash(REPOSITORY / "thunder_memopt"),
     }

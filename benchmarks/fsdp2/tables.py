@@ -30,12 +30,13 @@ from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, S
 
 # The fields that make two runs comparable, apart from block size, backend and budget; in this
 # order in the headings and plot titles.
-CONFIG_FIELDS = ("model", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype", "distributed_mode",
-                 "shard_mode", "head_unit", "autocast", "loss_mode", "optimizer", "world_size", "simulated", "gpu")
-SETTING_NAMES = {"model": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=", "micro_batch_size": "B=",
-                 "dtype": "", "distributed_mode": "", "shard_mode": "", "head_unit": "head unit=", "autocast": "autocast=",
-                 "loss_mode": "loss=", "optimizer": "AdamW ", "world_size": "ranks=", "simulated": "simulated=", "gpu": "",
-                 "block_size": "T="}
+CONFIG_FIELDS = ("model", "model_source", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype",
+                 "distributed_mode", "shard_mode", "head_unit", "autocast", "loss_mode", "optimizer", "world_size",
+                 "simulated", "gpu")
+SETTING_NAMES = {"model": "", "model_source": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=",
+                 "micro_batch_size": "B=", "dtype": "", "distributed_mode": "", "shard_mode": "",
+                 "head_unit": "head unit=", "autocast": "autocast=", "loss_mode": "loss=", "optimizer": "AdamW ",
+                 "world_size": "ranks=", "simulated": "simulated=", "gpu": "", "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
 MB = 10**6  # memory per token is in decimal megabytes, as the issues quote it
@@ -90,7 +91,9 @@ def heading(row: dict) -> str:
     adamw = "" if optimizer == FIELD_DEFAULTS["optimizer"] else f", AdamW {optimizer}"
     if row["distributed_mode"] == "fsdp2" and field_value(row, "head_unit") == "own":
         adamw += ", head and final norm in FSDP2 units of their own"
-    return (f"{row['model']}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "
+    source = field_value(row, "model_source")
+    model = row["model"] if source == FIELD_DEFAULTS["model_source"] else f"{source} {row['model']}"
+    return (f"{model}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "
             f"{row['dtype']}{autocast}{loss}{adamw}, micro-batch {row['micro_batch_size']} · {sharding_of(row)} · "
             f"{ranks_of(row)}")
 

@@ -25,6 +25,9 @@ LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
 # of all parameters (the square root of the second moments); fused (torchtitan's default) none.
 OPTIMIZERS = ("foreach", "fused")
 DISTRIBUTED_MODES = ("fsdp2", "thunder-fsdp", "none")
+# Whose model code a trial trains: litgpt's GPT, or a transformers causal LM (benchmarks/fsdp2/hf_models.py).
+TRANSFORMERS_SOURCE = "transformers"
+MODEL_SOURCES = ("litgpt", TRANSFORMERS_SOURCE)
 SHARD_MODES = ("zero2", "zero3")
 # fsdp2's units for the head: the final norm, the head and the in-graph loss in the root's unit
 # (root), or the head and the final norm each a unit of their own and the loss after the GPT's root
@@ -38,7 +41,8 @@ SEARCH_ROW = "max_block_size"
 # probe that ends otherwise stops its search.
 FINAL_STATUSES = ("ok", "OOM")
 # Fields added later: rows written before them had these values.
-FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph", "optimizer": "foreach", "simulated": False}
+FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph", "optimizer": "foreach", "simulated": False,
+                  "model_source": "litgpt"}
 # The profiler's kernel names run to hundreds of characters of templates: a row keeps this many.
 KERNEL_NAME_CHARS = 90
 
@@ -47,13 +51,14 @@ KERNEL_NAME_CHARS = 90
 class Workload:
     """What is trained: the model, its width, the sequence and the batch."""
 
-    model: str  # a litgpt config name
+    model: str  # a litgpt config name, or a name of hf_models.MODELS (model_source transformers)
     n_layer: int
     n_embd: int  # the width built
     narrowed: bool  # n_embd came from --n-embd (narrow_config then also shrinks the vocabulary)
     block_size: int
     micro_batch_size: int
     seed: int  # weights and batch (rank r's batch: seed + r)
+    model_source: str = "litgpt"  # one of MODEL_SOURCES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import os
+import re
 import resource
 import statistics
 import sys
@@ -31,9 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.fsdp2 import profiling, simulation, step_model
-from benchmarks.fsdp2.backends import BACKENDS
-from benchmarks.fsdp2.trial import MemoryPeaks, SavedActivations, StepTimes, Trial
+from benchmarks.fsdp2 import hf_models, profiling, simulation, step_model
+from benchmarks.fsdp2.backends import BACKENDS, Compiled
+from benchmarks.fsdp2.trial import TRANSFORMERS_SOURCE, MemoryPeaks, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, HeadWithLoss, build_model, narrow_config, next_token_loss,
                                    random_batch, training_step)
 from thunder_memopt.executors import offload as offload_executor
@@ -42,6 +44,7 @@ from thunder_memopt.passes.offload import OffloadPlan
 # Small, so that a handful of steps moves every backend's weights alike and the losses stay comparable.
 LEARNING_RATE = 1e-4
 ERROR_MESSAGE_CHARS = 2000  # compile errors quote whole commands; the log has the rest
+SPLIT_REASON_CHARS = 200  # of each reason ThunderFX gives for a split: the op and why
 RESULT_FILE = "result.json"
 FAILURE_FILES = "rank*.json"  # rank<N>.json
 
@@ -61,6 +64,7 @@ class Training:
     autocast_device: str | None = None  # bf16 autocast on this device type around the forward
     memopt: object = None  # the MemoryOptimization instance of thunder+memopt (its pass timings)
     executors: list | None = None  # the Thunder executors, for the thunder backends
+    thunderfx: object = None  # the ThunderCompiler, for the thunder backends under torch.compile
 
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training step's forward: under bf16 autocast with --autocast."""
@@ -109,27 +113,38 @@ def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) 
     MixedPrecisionPolicy(bf16)). Under ``--autocast`` the policy casts nothing: the parameters are
     gathered in their own dtype and autocast's casts of them run inside the compiled graphs.
     """
+    own_head = trial.sharding.head_unit == "own"
+    units = [*gpt.transformer.h, gpt.transformer.wte, *((gpt.lm_head, gpt.transformer.ln_f) if own_head else ())]
+    return fully_shard_units(units, gpt if own_head else root, trial)
+
+
+def fully_shard_units(units: list[torch.nn.Module], root: torch.nn.Module, trial: Trial) -> torch.nn.Module:
+    """fully_shard each of ``units``, then ``root``, in the trial's shard mode and dtype; returns the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = DTYPES[trial.numerics.dtype]
     policy = (MixedPrecisionPolicy() if trial.numerics.autocast
               else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype))
     options = {"mp_policy": policy, "reshard_after_forward": trial.sharding.shard_mode == "zero3"}
-    own_head = trial.sharding.head_unit == "own"
-    units = [*gpt.transformer.h, gpt.transformer.wte, *((gpt.lm_head, gpt.transformer.ln_f) if own_head else ())]
     for unit in units:
         fully_shard(unit, **options)
-    root = gpt if own_head else root
     fully_shard(root, **options)
     return root
 
 
 def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -> Training:
-    """``gpt`` with its loss, sharded by ``trial.sharding`` and compiled by ``trial``'s backend."""
+    """``gpt`` (a litgpt GPT, or a transformers causal LM) with its loss, sharded by
+    ``trial.sharding`` and compiled by ``trial``'s backend."""
     backend = BACKENDS[trial.compilation.backend]
     distributed_mode, loss_mode = trial.sharding.distributed_mode, trial.numerics.loss_mode
     if backend.before_sharding is not None:
         backend.before_sharding(gpt)  # before fully_shard, so FSDP2 wraps what it changed
+    if trial.workload.model_source == TRANSFORMERS_SOURCE:
+        # The model is compiled whole and computes its own loss; FSDP2's units: each decoder layer, the root.
+        fsdp_root = (fully_shard_units(hf_models.decoder_layers(gpt), gpt, trial) if distributed_mode == "fsdp2"
+                     else None)
+        compiled = backend.compile(gpt, trial, device)
+        return training_of(compiled, hf_models.loss_from_labels(compiled.forward), fsdp_root, trial, device)
     head_in_root = trial.sharding.head_unit == "root" and gpt.config.final_logit_softcapping is None
     if loss_mode != "in-graph":
         module = gpt
@@ -141,10 +156,16 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
     if trial.sharding.simulated:  # built on the meta device: rank 0's shards get memory now
         simulation.materialize_shards(module, device, trial.workload.seed)
     compiled = backend.compile(module, trial, device)
-    return Training(with_loss(compiled.forward, loss_mode), compiled.parameters_owner, fsdp_root=fsdp_root,
+    return training_of(compiled, with_loss(compiled.forward, loss_mode), fsdp_root, trial, device)
+
+
+def training_of(compiled: Compiled, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                fsdp_root: torch.nn.Module | None, trial: Trial, device: torch.device) -> Training:
+    """The Training of a backend's ``compiled`` module, whose step calls ``forward``."""
+    return Training(forward, compiled.parameters_owner, fsdp_root=fsdp_root,
                     reshard_after_forward=trial.sharding.shard_mode == "zero3",
                     autocast_device=device.type if trial.numerics.autocast else None,
-                    memopt=compiled.memopt, executors=compiled.executors)
+                    memopt=compiled.memopt, executors=compiled.executors, thunderfx=compiled.thunderfx)
 
 
 def with_loss(compiled: Callable, loss_mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -222,13 +243,8 @@ class TrainingSession:
     def __init__(self, trial: Trial, device: torch.device, rank: int) -> None:
         self.trial, self.device, self.rank = trial, device, rank
         workload = trial.workload
-        self.config = narrow_config(workload.model, n_layer=workload.n_layer,
-                                    n_embd=workload.n_embd if workload.narrowed else None,
-                                    block_size=workload.block_size)
-        # Simulated ranks hold 1/N of a model that may not fit one device: built on meta, then sharded.
-        gpt = build_model(self.config, dtype=DTYPES[trial.numerics.dtype], seed=workload.seed,
-                          device="meta" if trial.sharding.simulated else device)
-        self.training = prepare_training(gpt, trial, device)
+        self.config, model = build_trial_model(trial, device)
+        self.training = prepare_training(model, trial, device)
         self.optimizer = torch.optim.AdamW(self.training.parameters_owner.parameters(), lr=LEARNING_RATE,
                                            **{trial.numerics.optimizer: True})  # foreach=True or fused=True
         if device.type == "cuda":
@@ -310,10 +326,25 @@ class TrainingSession:
                                   device=self.device)
             saved.output.backward()
         self.optimizer.zero_grad(set_to_none=True)
-        n_layer = self.config.n_layer
-        tokens = self.trial.workload.micro_batch_size * self.trial.workload.block_size
-        return SavedActivations(saved_bytes_per_layer=saved.activation_bytes / n_layer, saved_storages=saved.n_storages,
-                                saved_h_bytes=saved.activation_bytes / (tokens * self.config.n_embd * n_layer))
+        workload = self.trial.workload
+        tokens = workload.micro_batch_size * workload.block_size
+        return SavedActivations(saved_bytes_per_layer=saved.activation_bytes / workload.n_layer,
+                                saved_storages=saved.n_storages,
+                                saved_h_bytes=saved.activation_bytes / (tokens * workload.n_embd * workload.n_layer))
+
+
+def build_trial_model(trial: Trial, device: torch.device) -> tuple[Any, torch.nn.Module]:
+    """The trial's config (litgpt's or transformers') and its model, with the seed's weights."""
+    workload, dtype = trial.workload, DTYPES[trial.numerics.dtype]
+    n_embd = workload.n_embd if workload.narrowed else None
+    if workload.model_source == TRANSFORMERS_SOURCE:
+        config = hf_models.config(workload.model, n_layer=workload.n_layer, n_embd=n_embd,
+                                  block_size=workload.block_size)
+        return config, hf_models.build(workload.model, config, dtype=dtype, device=device, seed=workload.seed)
+    config = narrow_config(workload.model, n_layer=workload.n_layer, n_embd=n_embd, block_size=workload.block_size)
+    # Simulated ranks hold 1/N of a model that may not fit one device: built on meta, then sharded.
+    return config, build_model(config, dtype=dtype, seed=workload.seed,
+                               device="meta" if trial.sharding.simulated else device)
 
 
 def init_distributed(trial: Trial) -> tuple[int, torch.device]:
@@ -393,6 +424,37 @@ def offload_fields(plans: list[OffloadPlan]) -> dict[str, Any]:
     }
 
 
+def thunderfx_summary(compiler) -> dict[str, Any]:
+    """How ThunderFX compiled the step: dynamo's graphs, the Thunder regions in them and why the
+    graphs were split; over the regions (one serves every decoder layer or Block under fsdp2), the
+    attentions as thunder_memopt's passes left them: with ``is_causal``, with a mask (a mask that
+    reaches a region as an input is never proven causal) or neither; and the thunder_memopt symbols and
+    attention kernels of the last forward traces: ``memopt_cudnn_sdpa_*`` where cuDNN took attention
+    (never on CPU), ``memopt_linear_cross_entropy_*`` where the loss head fused."""
+    import thunder
+    import thunder.torch as ltorch
+
+    sdpa = inspect.signature(ltorch.scaled_dot_product_attention.meta)
+    attentions = {"is_causal": 0, "mask": 0, "neither": 0}
+    symbols: set[str] = set()
+    regions = [fn for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
+    for fn in regions:
+        traces = thunder.last_traces(fn)
+        # The last trace that still calls torch's SDPA comes after the passes, before the executors claim it.
+        with_sdpa = [[b for b in t.bound_symbols if b.sym.id == ltorch.scaled_dot_product_attention.id] for t in traces]
+        for b in next((calls for calls in reversed(with_sdpa) if calls), []):
+            bound = sdpa.bind(*b.args, **b.kwargs)
+            bound.apply_defaults()
+            masked, causal = bound.arguments["attn_mask"] is not None, bound.arguments["is_causal"]
+            attentions["mask" if masked else "is_causal" if causal else "neither"] += 1
+        symbols.update(b.sym.name for b in traces[-1].bound_symbols
+                       if b.sym.name.startswith("memopt_") or "sdpa" in b.sym.name or "attention" in b.sym.name)
+    reasons = {re.sub(r" at 0x[0-9a-f]+", "", reason.info.splitlines()[0])[:SPLIT_REASON_CHARS]  # no addresses
+               for info in compiler.subgraph_infos for reason in info.split_reasons}
+    return {"graphs": len(compiler.subgraph_infos), "regions": len(regions), "split_reasons": sorted(reasons),
+            "attentions": attentions, "symbols": sorted(symbols)}
+
+
 def run(trial_file: Path) -> int:
     """Run the trial in ``trial_file``; rank 0 writes result.json next to it, failing ranks rank<N>.json."""
     trial = Trial.from_fields(json.loads(trial_file.read_text()))
@@ -411,6 +473,8 @@ def run(trial_file: Path) -> int:
             result.update(offload_fields(training.memopt.offload_plans))
     if training.executors is not None:
         result["executors"] = [ex.name for ex in training.executors]
+    if training.thunderfx is not None:
+        result["thunderfx"] = thunderfx_summary(training.thunderfx)
     if "fusion" in BACKENDS[trial.compilation.backend].own_fields:  # runs thunder_memopt's executors
         from thunder_memopt.executors import compile_stats
 
