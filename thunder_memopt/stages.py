@@ -136,8 +136,8 @@ class FitPlanner:
         limit = fit.resolve_memory_limit(self.limit, memory)
         estimates = recompute.price_ladder(plans, forward, backward)
         rates = self.rates or (measure_rates(device) if memory is not None else fit.NOMINAL_RATES)
-        rungs = [fit.RungCost(plan.saved_bytes_after, estimate.peak_bytes, fit.recompute_seconds(plan, rates))
-                 for plan, estimate in zip(plans, estimates)]
+        rungs = [fit.RungCost(plan.saved_bytes_after, estimate.peak_bytes, seconds)
+                 for plan, estimate, seconds in zip(plans, estimates, fit.recompute_seconds(plans, rates))]
         static = estimates[0].forward.input_bytes if memory is None else memory.allocated
         key = self.key(forward)
         terms = fit.StepTerms(static, self.calls.get(key, 1), self.margin_bytes)

@@ -18,23 +18,25 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   saved tensors of the programs that ran before it in the step (a head compiled after every Block
   has run counts every Block's). Elsewhere (CPU, meta) the bytes of the forward's inputs, from the
   trace: parameters, buffers and the batch. Optimizer states made only at the first optimizer step
-  (AdamW's), and FSDP2 buffers allocated after the compile, are not in it: the check after a step
-  measures them.
+  (AdamW's), and FSDP2's buffers allocated after the compile (the later Blocks' all-gathers, the
+  backward's reduce-scatters), are in no term: the check after a step measures them.
 - ``saved``: the bytes one call of the program saves for its backward at this rung (storages,
   parameters excluded: ``RecomputePlan.saved_bytes_after``). The other ``calls - 1`` calls of the
   same program in a step hold theirs while the last call's backward runs.
 - ``calls``: how many times the program runs per step. At its first compile it is taken as 1,
   which is exact under ``thunder.jit`` (the model is one program). ``MemoryOptimization.check_fit``
   counts each program's calls from Thunder's compile statistics (``thunder.compile_stats(fn).calls``,
-  over the calls of the program called least, the loss's), and a second plan counts them.
+  over the calls of the program called least: the model's under thunder.jit, the loss's under
+  ThunderCompiler), and a second plan counts them. Structurally identical programs compiled apart
+  (the same saved tensors by name, shape and dtype) count as calls of one.
 - ``pair_peak``: the program's own peak over its forward and backward, from the traces
   (``memory.estimate_step``): its saved tensors with its largest transient working set (a Block's
   backward, the loss head's chunks), its gradients, as they are made.
-- ``margin``: 0 at the first plan; after a step measured over the limit, the measured peak less
-  the prediction (``check_fit``), and the one second plan takes it.
+- ``margin``: 0 at the first plan; after a step measured over the limit, raised by the measured
+  peak less the prediction (``check_fit``), and the one second plan takes it.
 
-The recompute time of a rung is its replayed symbols on the roofline of ``core.cost.op_seconds``:
-on CUDA the device's measured rates (or ``offload_rates`` where given), elsewhere
+The recompute time of a rung is its replayed symbols on the roofline of ``core.cost.op_seconds``,
+at ``offload_rates`` where given, else on CUDA the device's measured rates, elsewhere
 ``NOMINAL_RATES``, an H200's datasheet figures, which only rank the rungs.
 
 The limit (``resolve_memory_limit``): an ``int`` is bytes; a ``float`` in (0, 1] a fraction of the
@@ -191,9 +193,13 @@ class FitChoice:
         return self.predicted_peak_bytes <= self.limit_bytes
 
 
-def recompute_seconds(plan: RecomputePlan, rates: DeviceRates) -> float:
-    """The modelled time of what the plan's backward replays."""
-    return sum(op_seconds(b, rates) for b in plan.replayed)
+def recompute_seconds(plans: Sequence[RecomputePlan], rates: DeviceRates) -> list[float]:
+    """The modelled time of what each plan's backward replays. The rungs of a ladder replay the same
+    symbols, each priced once."""
+    seconds: dict[int, float] = {}
+    for b in {id(b): b for plan in plans for b in plan.replayed}.values():
+        seconds[id(b)] = op_seconds(b, rates)
+    return [sum(seconds[id(b)] for b in plan.replayed) for plan in plans]
 
 
 def choose_by_limit(rungs: Sequence[RungCost], terms: StepTerms, limit_bytes: int) -> FitChoice:
