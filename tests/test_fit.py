@@ -248,3 +248,16 @@ def test_under_thunder_compiler_a_program_run_once_per_block_is_counted_so():
     step()  # planned again, with the calls counted
     assert [c.terms.calls for c in memopt.fit_report.choices] == [3, 1]
     assert all(c.fits for c in memopt.fit_report.choices)
+
+
+def test_a_jitted_function_is_not_compiled_again_and_says_so():
+    torch.manual_seed(0)
+    block = _Block()
+    memopt = MemoryOptimization(memory_limit=1 << 20)
+    jitted = thunder.jit(lambda x: block(x).sum(), transforms=[memopt])
+    x = torch.randn(32, 64, requires_grad=True)
+    jitted(x).backward()
+    with pytest.warns(UserWarning, match="no module jitted with this instance"):
+        assert memopt.check_fit(2 << 20).replan
+    jitted(x).backward()
+    assert thunder.cache_misses(jitted) == 1 and memopt.fit_report.check.margin_bytes > 0
