@@ -2,6 +2,7 @@
 limits, and a thunder.jit step whose plan fits a limit the default's does not, checked and planned
 again."""
 
+import argparse
 import functools
 import warnings
 
@@ -9,7 +10,7 @@ import pytest
 import thunder
 import torch
 
-from thunder_memopt import MemoryOptimization
+from thunder_memopt import MemoryOptimization, arguments
 from thunder_memopt.measure import measure_saved, peak_live_bytes
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 from thunder_memopt.passes import fit
@@ -96,6 +97,16 @@ def test_limits_that_need_a_cuda_device_are_one_line_errors(monkeypatch):
     memory = DeviceMemory(total=1000, free=500, reserved=200, allocated=150)
     assert "more than" in _one_line_error(ValueError, lambda: fit.resolve_memory_limit(1001, memory))
     assert "not on one" in _one_line_error(ValueError, lambda: fit.resolve_memory_limit(0.5, None))
+
+
+@pytest.mark.parametrize("text, value", [("123", 123), ("40GiB", 40 << 30), ("1.5MiB", 3 << 19), ("2KiB", 2048)])
+def test_the_command_line_reads_bytes_and_binary_units(text, value):
+    assert arguments.memory_limit(text) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "0", "-2GiB", "lots", "GiB", "1.5"])
+def test_bad_limits_on_the_command_line_are_argparse_errors(text):
+    _one_line_error(argparse.ArgumentTypeError, lambda: arguments.memory_limit(text))
 
 
 def test_contradicting_options_are_one_line_errors():

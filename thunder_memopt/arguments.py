@@ -9,12 +9,14 @@ import difflib
 import torch
 
 from thunder_memopt.models import HEAD_SIZE
+from thunder_memopt.passes import fit
 
 __all__ = [
     "positive_int",
     "non_negative_int",
     "positive_float",
     "fraction",
+    "memory_limit",
     "litgpt_model_name",
     "narrow_width",
     "device_name",
@@ -49,6 +51,27 @@ def positive_float(text: str) -> float:
 def fraction(text: str) -> float:
     """A number in [0, 1] (activation budgets)."""
     return _number(text, float, lambda value: 0.0 <= value <= 1.0, "in [0, 1]")
+
+
+_BINARY_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def memory_limit(text: str) -> int | float | str:
+    """MemoryOptimization's ``memory_limit``: bytes (an integer, or a number and KiB, MiB, GiB or
+    TiB: ``40GiB``), a fraction of the CUDA device's memory (a number with a point: ``0.9``) or
+    ``auto``."""
+    unit = next((size for name, size in _BINARY_UNITS.items() if text.endswith(name)), None)
+    number = text[:-3] if unit else text  # each unit's name is three letters
+    try:
+        value = (text if text == "auto" else int(float(number) * unit) if unit
+                 else int(number) if number.strip().lstrip("-").isdigit() else float(number))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit (bytes, 40GiB, 0.9 or auto)") from None
+    try:
+        fit.check_memory_limit(value)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def litgpt_model_name(text: str) -> str:
