@@ -1,9 +1,10 @@
 """Offload (passes/offload.py, executors/offload.py) on CPU, where copies to a second CPU buffer
 stand in for the host: the plan against stated device rates, offloaded steps bit-identical to
-unoffloaded ones under thunder.jit and ThunderCompiler, and the memory model counting host copies
-as no device bytes. The narrowed models' saved tensors are below ``MIN_BYTES``, so the tests that
-train lower it."""
+unoffloaded ones under thunder.jit and ThunderCompiler, past a host memory limit too, and the
+memory model counting host copies as no device bytes. The narrowed models' saved tensors are below
+``MIN_BYTES``, so the tests that train lower it."""
 
+import functools
 import warnings
 import weakref
 
@@ -139,8 +140,10 @@ def every_tensor_offloadable(monkeypatch):
     monkeypatch.setattr(offload_pass, "MIN_BYTES", 1)
 
 
-def _offloaded_step(**options):
-    memopt = MemoryOptimization(activation_budget=0.0, offload="budget", offload_rates=FAST, **options)
+@functools.cache
+def _offloaded_step():
+    """Offload at budget 0.0, shared by the tests that only read it (as ``shared_train_step``)."""
+    memopt = MemoryOptimization(activation_budget=0.0, offload="budget", offload_rates=FAST)
     return memopt, train_step(STABLECODE, [memopt])
 
 
@@ -351,3 +354,32 @@ def test_a_row_records_what_each_offload_plan_was_made_for():
         "offloaded_bytes": plan.offloaded_bytes, "forward_ms": 1e3 * plan.forward_seconds,
         "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds,
         "spilled": len(plan.spilled)}
+
+
+def test_past_the_host_limit_saved_tensors_stay_on_the_device_bit_for_bit(every_tensor_offloadable, monkeypatch):
+    """With a host limit of 1 MiB, of the four saved tensors budget 0.0 offloads (two of 512 KiB, two
+    of 128 KiB, in the order 512, 128, 512, 128 KiB), the second of 512 KiB would take the pinned
+    copies past it: it stays on the device, the others are pinned. One warning names the bytes kept and
+    the option to raise; the loss and the gradients are those of the unlimited offload and of no
+    offload, bit for bit, and nothing is left pinned or kept after the step. (The process's limit
+    and its warning start as a new process has them.)"""
+    from thunder_memopt.executors import offload as offload_executor
+
+    monkeypatch.setattr(offload_executor, "_host", offload_executor._HostLimit())
+    plain = _budget_zero_step()
+    unlimited_memopt, unlimited = _offloaded_step()
+    memopt = MemoryOptimization(activation_budget=0.0, offload="budget", offload_rates=FAST, host_memory_limit=1 << 20)
+    with warnings.catch_warnings(record=True) as caught, offload_executor.activity_recorded() as activity:
+        warnings.simplefilter("always")
+        limited = train_step(STABLECODE, [memopt])
+    assert_same_numerics(plain, limited)
+    assert_same_numerics(unlimited, limited)
+    (plan,) = memopt.offload_plans
+    assert plan.offloaded == unlimited_memopt.offload_plans[0].offloaded and len(plan.offloaded) == 4
+    assert 0 < activity.kept_bytes < plan.offloaded_bytes and activity.reloads > 0
+    assert offload_executor.host_memory_limit() == 1 << 20
+    kept = [str(w.message) for w in caught if "host_memory_limit" in str(w.message)]
+    assert kept == [f"thunder_memopt: offload kept {activity.kept_bytes / 2**20:.1f} MiB of saved tensors on the "
+                    "device: their copies would have taken its pinned host memory past host_memory_limit (1.0 MiB); "
+                    "raise MemoryOptimization(host_memory_limit=...) to offload them (warned once)"]
+    assert offload_executor.offload_state() == offload_executor.OffloadState(0, 0, 0, 0, 0, 0)

@@ -79,6 +79,7 @@ from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
+from thunder_memopt.executors.offload import HostMemoryLimit, check_host_memory_limit, set_host_memory_limit
 from thunder_memopt.passes import causal_mask, collectives, fit, loss_head, schedule
 from thunder_memopt.passes import offload as offload_module
 from thunder_memopt.stages import (
@@ -137,6 +138,11 @@ class MemoryOptimization(Transform):
         offload_rates: the device rates the offload plan is made for; None measures them once on
             the GPU (``core.cost.measure_rates``). Given, offload also runs on a CPU, copying to a
             second CPU buffer (for tests).
+        host_memory_limit: the pinned host memory offload may hold in the process: bytes, or "auto",
+            ``executors.offload.AUTO_HOST_FRACTION`` of the host's available memory over the ranks
+            that share it (``LOCAL_WORLD_SIZE``). A saved tensor whose copy would pass it stays on
+            the device (the same values), with one warning per process
+            (thunder_memopt.executors.offload).
         head_gradients: where the fused loss head computes its gradients. "forward": in the forward,
             one matmul less, through a tokens x vocabulary buffer at the end of the forward, where
             every layer's saved tensors are alive (2 GiB for Llama-3's vocabulary at T=8192);
@@ -167,6 +173,7 @@ class MemoryOptimization(Transform):
         offload: str = "off",
         offload_budget: float | None = None,
         offload_rates: DeviceRates | None = None,
+        host_memory_limit: HostMemoryLimit = "auto",
         head_gradients: str | None = None,
         memory_limit: fit.MemoryLimit | None = None,
     ) -> None:
@@ -190,6 +197,7 @@ class MemoryOptimization(Transform):
                 raise ValueError(f"offload_budget applies to offload='budget', got offload={offload!r}")
         if offload_rates is not None and not isinstance(offload_rates, DeviceRates):
             raise TypeError(f"offload_rates must be a thunder_memopt.core.cost.DeviceRates, got {offload_rates!r}")
+        check_host_memory_limit(host_memory_limit)
         if head_gradients is not None and head_gradients not in HEAD_GRADIENTS:
             raise ValueError(f"head_gradients must be None or one of {list(HEAD_GRADIENTS)}, got {head_gradients!r}")
         unknown = [p for p in passes if p not in PASSES]
@@ -202,6 +210,9 @@ class MemoryOptimization(Transform):
         self.offload = offload_module.OffloadMode(offload)
         self.offload_budget = self.activation_budget if offload_budget is None else float(offload_budget)
         self.offload_rates = offload_rates
+        self.host_memory_limit = host_memory_limit
+        if self.offload is not offload_module.OffloadMode.OFF:
+            set_host_memory_limit(host_memory_limit)  # the process's pinned memory, as the limit bounds it
         self.head_gradients = head_gradients
         self.memory_limit = memory_limit
         self._fit = None if memory_limit is None else FitPlanner(memory_limit, offload_rates)
@@ -282,6 +293,7 @@ class MemoryOptimization(Transform):
         return (
             f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
             f"offload={self.offload.value!r}, offload_budget={self.offload_budget}, "
+            f"host_memory_limit={self.host_memory_limit!r}, "
             f"head_gradients={self.head_gradients!r}, memory_limit={self.memory_limit!r})"
         )
 

@@ -41,6 +41,25 @@ freed blocks once the copies recorded on them have finished; allocating pinned m
 synchronize the device. On a CPU the ops copy at once to a second CPU buffer, which stands in for the
 host in tests, with the same groups and prefetches: the values take the same round trip, so
 offloaded steps equal unoffloaded ones bit for bit.
+
+Pinned memory cannot be swapped out, and the ranks of a node share its host: pinned without bound
+it would make the host swap everything else or kill the process. So each copy is checked, as it is
+made, against the process's host limit (``set_host_memory_limit``, MemoryOptimization's
+``host_memory_limit``): the host copies offload holds now, each as the caching host allocator
+rounds it (up to a power of two), plus this one. A copy past the limit is not made: the tensor
+stays on the device, ``memopt_offload`` returns it as its own "host copy" and ``memopt_reload``
+returns it as it is, so the values are the same bits either way. The first reload after forwards
+that kept tensors warns, once per process, with the bytes kept and the limit to raise. The check is
+made here, at run time, and not in the plan: only the step knows how many programs' copies are
+alive together (a Block's program runs once per Block under FSDP2) and what the host has.
+
+The bookkeeping never outlives the tensors it is about: each host copy (and each tensor kept on
+the device) has a finalizer that drops its entries when it dies, and each reloaded tensor one that
+drops its pending wait. A step that raises (a CUDA out-of-memory error in its forward or its
+backward) leaves copies that are never waited for or reloaded; once its graph is dropped, they die,
+their sources and reloads are handed to the side stream (``record_stream``), whose queued copies
+may still use them, and ``offload_state()`` is empty again: nothing stays pinned or held, and the
+next step runs as a fresh one does.
 """
 
 from __future__ import annotations
@@ -48,10 +67,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import numbers
+import os
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from thunder.core import devices, prims
@@ -61,15 +83,20 @@ from thunder.extend import OperatorExecutor, register_executor
 from thunder_memopt.core.memory import HOST_MEMORY
 
 __all__ = ["offload_ex", "offload", "offload_wait", "offload_release", "reload", "wait_reload", "host_copy_proxy",
-           "next_to_prefetch", "activity_recorded", "OffloadActivity", "WAIT_KINDS"]
+           "next_to_prefetch", "activity_recorded", "OffloadActivity", "WAIT_KINDS", "HostMemoryLimit",
+           "AUTO_HOST_FRACTION", "check_host_memory_limit", "set_host_memory_limit", "host_memory_limit",
+           "offload_state", "OffloadState"]
 
 offload_ex = OperatorExecutor("memopt_offload")
 register_executor(offload_ex)
 
 # Host copies (by id) -> the event of their copy and its source, kept alive until memopt_offload_wait.
 _copying: dict[int, tuple[torch.cuda.Event, torch.Tensor]] = {}
-# Reloaded tensors (by id) -> the event of their copy, for memopt_wait_reload.
-_reloading: dict[int, torch.cuda.Event] = {}
+# Reloaded tensors (by id) -> the event of their copy, for memopt_wait_reload, and an alias of their
+# storage, which a reload that is never waited for hands to the side stream (``_forget_reload``).
+_reloading: dict[int, tuple[torch.cuda.Event, torch.Tensor]] = {}
+# Tensors kept on the device past the host limit (by id): a weak reference and their bytes.
+_kept: dict[int, tuple[weakref.ref, int]] = {}
 
 
 class _Offloaded(NamedTuple):
@@ -90,6 +117,118 @@ _group = 0
 _prefetched: dict[int, tuple[weakref.ref, torch.Tensor, torch.cuda.Event]] = {}
 
 
+HostMemoryLimit = int | Literal["auto"]
+# "auto": this share of the host's available memory, over the ranks that share the host. Half,
+# because torch's caching host allocator keeps freed blocks pinned and reuses them only for copies
+# of their power-of-two size: a step at another shape (a smaller T after an out-of-memory error)
+# pins blocks of new sizes while the old ones stay cached, and the other half is left to the rest
+# of the node (data loading, checkpoint staging, the page cache), which pinned memory cannot yield to.
+AUTO_HOST_FRACTION = 0.5
+
+
+@dataclass
+class _HostLimit:
+    asked: HostMemoryLimit = "auto"
+    limit: int | None = None  # in bytes, resolved at the first copy after ``asked`` is set
+    pinned: int = 0  # the host copies alive, as the caching host allocator rounds them
+    warned: bool = False  # of tensors kept on the device past the limit, once per process
+
+
+_host = _HostLimit()
+
+
+def check_host_memory_limit(value: object) -> None:
+    """A ``host_memory_limit``: bytes (an int > 0) or "auto"; a one-line TypeError or ValueError
+    otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral | str):
+        raise TypeError(f"host_memory_limit must be bytes (an int > 0) or 'auto', got {value!r}")
+    if isinstance(value, str) and value != "auto":
+        raise ValueError(f"host_memory_limit must be bytes (an int > 0) or 'auto', got {value!r}")
+    if isinstance(value, numbers.Integral) and value <= 0:
+        raise ValueError(f"host_memory_limit in bytes must be > 0, got {value}")
+
+
+def set_host_memory_limit(value: HostMemoryLimit) -> None:
+    """The pinned host memory offload may hold in this process, from its next copy on (the
+    MemoryOptimization with offload built last sets it): bytes, or "auto", ``AUTO_HOST_FRACTION``
+    of the host's available memory at that copy over the ranks that share the host
+    (``LOCAL_WORLD_SIZE``, set by torchrun; 1 if unset)."""
+    check_host_memory_limit(value)
+    _host.asked, _host.limit = value if isinstance(value, str) else int(value), None
+
+
+def host_memory_limit() -> int:
+    """The host limit in bytes, resolved once for "auto" (``set_host_memory_limit``)."""
+    if _host.limit is None:
+        if _host.asked == "auto":
+            ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            _host.limit = int(AUTO_HOST_FRACTION * _available_host_bytes() / ranks)
+        else:
+            _host.limit = _host.asked
+    return _host.limit
+
+
+def _available_host_bytes() -> int:
+    """What the host can give without swapping: MemAvailable of /proc/meminfo (Linux), else its
+    free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class OffloadState:
+    """What offload's bookkeeping holds now. Between steps, and once the graph of a step that raised
+    is dropped, all of it is zero."""
+
+    pinned_bytes: int  # the host copies alive, as the caching host allocator rounds them
+    host_copies: int  # host copies not reloaded yet
+    kept: int  # tensors kept on the device past the host limit, not reloaded yet
+    copying: int  # sources held until their copies to the host are waited for or released
+    prefetched: int  # reloads started ahead of their calls
+    reloading: int  # reloads not waited for yet
+
+
+def offload_state() -> OffloadState:
+    return OffloadState(_host.pinned, len(_offloaded), len(_kept), len(_copying), len(_prefetched), len(_reloading))
+
+
+def _forget(key: int, pinned_bytes: int) -> None:
+    """A host copy (or a tensor kept on the device) of id ``key`` has died: its entries go. Normally
+    it has been reloaded and waited for by then; the copies of a step that raised have not, and
+    their sources and prefetched reloads go to the side stream, whose copies may still use them."""
+    _host.pinned -= pinned_bytes
+    _offloaded.pop(key, None)
+    _kept.pop(key, None)
+    # Each holds its device tensor second: a copy's source, a prefetch's reloaded tensor.
+    for held in (_copying.pop(key, None), _prefetched.pop(key, None)):
+        if held is not None:
+            _release_to_side_stream(held[1])
+
+
+def _forget_reload(key: int) -> None:
+    """A reloaded tensor of id ``key`` has died: a copy into it never waited for (its step raised in
+    between) may still be running, so its storage goes to the side stream."""
+    reloading = _reloading.pop(key, None)
+    if reloading is not None:
+        _release_to_side_stream(reloading[1])
+
+
+def _on_death(t: torch.Tensor, forget, *args) -> None:
+    # Not at exit: CUDA may be gone by then, and so is all that the entries hold.
+    weakref.finalize(t, forget, *args).atexit = False
+
+
+def _release_to_side_stream(t: torch.Tensor) -> None:
+    """``t``'s block goes back to the allocator only once the side stream has run what it holds."""
+    t.record_stream(_side_stream(t.device))
+
+
 # What a compute stream waits for: copies to the host (memopt_offload_wait) and reloads (memopt_wait_reload).
 WAIT_KINDS = ("to_host", "reload")
 
@@ -101,6 +240,7 @@ class OffloadActivity:
 
     reloads: int = 0
     prefetched: int = 0  # reloads whose copy a prefetch had started before they were asked for
+    kept_bytes: int = 0  # saved bytes kept on the device: their copies would have passed the host limit
     # Milliseconds the compute streams stood still, by ``WAIT_KINDS`` (CUDA only: 0 on a CPU).
     wait_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAIT_KINDS, 0.0))
 
@@ -152,20 +292,40 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset(), 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
+def _buffer_elements(t: torch.Tensor) -> tuple[int, int]:
+    """(lead, span) of ``t``'s moved buffer (``_moved``): the elements ahead of its first, which keep
+    that one's alignment to the allocator's 512 bytes, some kernels choose by, and its span."""
+    offset, extent = _span(t)
+    return (offset * t.element_size() % 512) // t.element_size(), extent
+
+
+def _pinned_bytes(t: torch.Tensor) -> int:
+    """The pinned memory ``t``'s host copy takes: its buffer, rounded up to a power of two as torch's
+    caching host allocator rounds each block."""
+    lead, extent = _buffer_elements(t)
+    nbytes = (lead + extent) * t.element_size()
+    return 1 << (nbytes - 1).bit_length() if nbytes else 0
+
+
 def _moved(t: torch.Tensor, device: torch.device | str, stream: torch.cuda.Stream | None) -> torch.Tensor:
     """``t`` on ``device`` with its very strides, its span of storage copied (on ``stream`` if given,
     into pinned memory if to the host): kernels of the backward meet the layout the forward made, and
-    an expanded tensor moves its small storage, not its expansion. The first element keeps its
-    alignment to the allocator's 512 bytes, which some kernels choose by. The result is no view (see
-    the module docstring): a tensor of its own over the filled storage."""
-    offset, extent = _span(t)
-    lead = (offset * t.element_size() % 512) // t.element_size()
+    an expanded tensor moves its small storage, not its expansion, behind the elements that keep the
+    first's alignment (``_buffer_elements``). The result is no view (see the module docstring): a
+    tensor of its own over the filled storage."""
+    lead, extent = _buffer_elements(t)
     pinned = torch.device(device).type == "cpu" and t.is_cuda
     flat = torch.empty(lead + extent, dtype=t.dtype, device=device, pin_memory=pinned)
-    source = t.as_strided((extent,), (1,), offset)
+    source = t.as_strided((extent,), (1,), t.storage_offset())
     with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
         flat[lead:].copy_(source, non_blocking=stream is not None)
-    return torch.empty(0, dtype=t.dtype, device=device).set_(flat.untyped_storage(), lead, t.shape, t.stride())
+    return _tensor_over(flat.untyped_storage(), lead, t)
+
+
+def _tensor_over(storage: torch.UntypedStorage, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``like``'s shape and strides over ``storage`` from ``offset``: no view, so that
+    Thunder's autograd function saves it as it is (it detaches views, a new object)."""
+    return torch.empty(0, dtype=like.dtype, device=storage.device).set_(storage, offset, like.shape, like.stride())
 
 
 def host_copy_proxy(t: TensorProxy) -> TensorProxy:
@@ -184,7 +344,18 @@ def _offload_impl(t: torch.Tensor, reload_rank: int, opens_group: bool) -> torch
     global _group
     if opens_group:
         _group = next(_groups)
+    pinned = _pinned_bytes(t)
+    if _host.pinned + pinned > host_memory_limit():
+        # Kept on the device, as its own host copy: the reload returns it as it is.
+        kept, nbytes = _tensor_over(t.untyped_storage(), t.storage_offset(), t), t.untyped_storage().nbytes()
+        _kept[id(kept)] = (weakref.ref(kept), nbytes)
+        _on_death(kept, _forget, id(kept), 0)
+        if _activity is not None:
+            _activity.kept_bytes += nbytes
+        return kept
     host, copied = _copied(t, "cpu", t.device)
+    _host.pinned += pinned
+    _on_death(host, _forget, id(host), pinned)
     if copied is not None:
         _copying[id(host)] = (copied, t)
     _offloaded[id(host)] = _Offloaded(weakref.ref(host), str(t.device), _group, reload_rank)
@@ -205,8 +376,7 @@ def _offload_wait_impl(host: torch.Tensor) -> None:
 def _offload_release_impl(host: torch.Tensor) -> None:
     copying = _copying.pop(id(host), None)
     if copying is not None:
-        _, source = copying
-        source.record_stream(_side_stream(source.device))
+        _release_to_side_stream(copying[1])
 
 
 def _reload_meta(host: TensorProxy, device: str) -> TensorProxy:
@@ -231,6 +401,11 @@ def _copied(t: torch.Tensor, to: torch.device | str, device: torch.device
 
 
 def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
+    _warn_of_kept_once()
+    kept = _kept.pop(id(host), None)
+    if kept is not None and kept[0]() is host:
+        _prefetch_next(device)
+        return host
     _offloaded.pop(id(host), None)
     prefetched = _prefetched.pop(id(host), None)
     hit = prefetched is not None and prefetched[0]() is host
@@ -239,7 +414,9 @@ def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
     else:
         t, copied = _copied(host, device, torch.device(device))
     if copied is not None:
-        _reloading[id(t)] = copied
+        # Its storage under another tensor, not a view: a view would keep ``t`` alive.
+        _reloading[id(t)] = (copied, _tensor_over(t.untyped_storage(), t.storage_offset(), t))
+        _on_death(t, _forget_reload, id(t))
     if _activity is not None:
         _activity.reloads += 1
         _activity.prefetched += hit
@@ -247,14 +424,21 @@ def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
     return t
 
 
+def _warn_of_kept_once() -> None:
+    """At a backward's first reload the forwards before it have made every copy they keep on the
+    device: once per process, a warning that says how much and which limit to raise."""
+    if _kept and not _host.warned:
+        _host.warned = True
+        kept = sum(nbytes for _, nbytes in _kept.values())
+        warnings.warn(f"thunder_memopt: offload kept {kept / 2**20:.1f} MiB of saved tensors on the device: "
+                      f"their copies would have taken its pinned host memory past host_memory_limit "
+                      f"({host_memory_limit() / 2**20:.1f} MiB); raise MemoryOptimization(host_memory_limit=...) "
+                      "to offload them (warned once)")
+
+
 def _prefetch_next(device: str) -> None:
-    """Start the reload the backward will ask for next (``next_to_prefetch``), one ahead at most."""
-    for key, (ref, _, _) in list(_prefetched.items()):
-        if ref() is None:
-            del _prefetched[key]  # its backward never ran: the reload is dropped
-    for key, entry in list(_offloaded.items()):
-        if entry.ref() is None:
-            del _offloaded[key]  # its forward's backward never ran
+    """Start the reload the backward will ask for next (``next_to_prefetch``), one ahead at most.
+    (A copy whose backward never runs takes its entries with it when it dies: ``_forget``.)"""
     key = None if _prefetched else next_to_prefetch(_offloaded, device)
     if key is not None:
         entry = _offloaded[key]
@@ -278,9 +462,9 @@ def _wait_meta(t: TensorProxy) -> TensorProxy:
 
 
 def _wait_impl(t: torch.Tensor) -> torch.Tensor:
-    copied = _reloading.pop(id(t), None)
-    if copied is not None:
-        _wait(torch.cuda.current_stream(t.device), copied, "reload")
+    reloading = _reloading.pop(id(t), None)
+    if reloading is not None:
+        _wait(torch.cuda.current_stream(t.device), reloading[0], "reload")
     return t
 
 

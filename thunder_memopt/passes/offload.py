@@ -32,6 +32,10 @@ offloads only what hides; ``budget`` also offloads, largest first, what it must 
 
 The memory model counts what is on the GPU: a host copy takes no device bytes, a reloaded tensor
 its bytes from its reload on.
+
+The plan does not count host memory: how many programs' copies are alive together is known only
+when the step runs, so the executor holds each copy against the process's host limit there, and
+keeps on the device what would pass it (executors/offload.py).
 """
 
 from __future__ import annotations
