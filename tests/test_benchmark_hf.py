@@ -59,7 +59,7 @@ def check_rows_of_the_tiny_llama(rows: list[dict], mode: str, backend_names: lis
 def test_fsdp2_rows_agree_and_the_mask_reaches_each_decoder_layer_as_an_input(tmp_path):
     """Under FSDP2 each decoder layer is a dynamo graph of its own (FSDP2's hooks break the graph at
     every unit), and transformers makes the causal mask once, before the layers: each layer's graph
-    gets it as an input, which proves nothing, so its attention keeps the mask. The head and the
+    gets it as an input, marked causal where it was made, so its attention is_causal. The head and the
     loss, in the root's unit, are one graph, and the head fuses."""
     rows, printed = run_benchmark(tmp_path, "--compile", "eager", "thunder+memopt")
     check_rows_of_the_tiny_llama(rows, "fsdp2", ["eager", "thunder+memopt"])
@@ -69,7 +69,7 @@ def test_fsdp2_rows_agree_and_the_mask_reaches_each_decoder_layer_as_an_input(tm
     assert "#### transformers Llama-3-8B, 1 layers, n_embd 64" in printed
     thunderfx = memopt["thunderfx"]
     assert thunderfx["graphs"] > 2 and not thunderfx["split_reasons"]
-    assert thunderfx["attentions"] == {"is_causal": 0, "mask": 1, "neither": 0}
+    assert thunderfx["attentions"] == {"is_causal": 1, "mask": 0, "neither": 0}
     assert FUSED_HEAD in thunderfx["symbols"]
 
 

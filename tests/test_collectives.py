@@ -170,11 +170,11 @@ def test_fsdp2_transformers_training_is_bit_identical_to_plain_thundercompiler_a
 def test_fsdp2_transformers_mask_reaches_each_layer_as_an_input(hf_fsdp2):
     """Each FSDP2 unit is a dynamo graph of its own (the position ids, the rotary embedding, the
     decoder layer, which both layers run, the final norm, the head and loss): the mask is made in
-    the first and reaches the layers' graph as an input, which the causal-mask pass cannot prove
-    anything about, so the attention keeps its mask (on a GPU, the memory-efficient kernel). The
+    the first, marked there as proven causal, and reaches the layers' graph as an input, whose
+    variant for a marked mask the causal-mask pass proves (thunder_memopt.causal_inputs). The
     mask preparation's torch.diff and new_ones split plain ThunderCompiler's first graph in three
     Thunder regions; thunderfx_backend keeps one region a graph."""
     plain, memopt = hf_fsdp2["plain"], hf_fsdp2["memopt"]
     assert plain["graphs"] == memopt["graphs"] == 5
     assert (plain["regions"], memopt["regions"]) == (7, 5)
-    assert memopt["proven_traces"] == 0
+    assert memopt["proven_traces"] == 1

@@ -20,12 +20,13 @@ transformers' mask preparation calls two ops that Thunder runs only through its 
 splitter hands such nodes to inductor, so that the graph splits there, between the ops that make
 the causal mask and the attention that reads it. The backend rewrites them into ops Thunder has
 (``keep_mask_preparation_in_thunder``), with the same values, so that the mask is made in the
-attention's Thunder region, where the ``causal_mask`` pass can see how it was made.
+attention's Thunder region, where the ``causal_mask`` pass can see how it was made. Where the mask
+is made in one dynamo graph and read in another (FSDP2 breaks the graph at each unit), the proof
+crosses with the tensor (thunder_memopt.causal_inputs).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import operator
 from collections.abc import Sequence
@@ -37,7 +38,8 @@ import torch.fx
 from thunder.core.transform_common import Transform
 from thunder.extend import Executor, get_executor
 
-from thunder_memopt.executors import executors
+from thunder_memopt.causal_inputs import call_with_example_value, compile_with_causal_inputs
+from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = [
@@ -110,10 +112,15 @@ def thunderfx_backend(
     transform = memory_optimization if memory_optimization is not None else MemoryOptimization()
     transforms = [transform, *thunder_options.pop("transforms", [])]
     compiler = ThunderCompiler(transforms=transforms, **thunder_options)
+    # The causal_mask pass runs where cuDNN attention is asked for; so do its proofs across graphs.
+    causal_inputs = "causal_mask" in transform.passes and any(
+        e is cudnn_attention_ex or e == cudnn_attention_ex.name for e in thunder_options["executors"])
 
     def backend(gm, example_inputs):
         keep_collectives_out_of_thunder(gm)
         keep_mask_preparation_in_thunder(gm)
+        if causal_inputs:
+            return compile_with_causal_inputs(gm, example_inputs, compiler)
         return compiler(gm, example_inputs)
 
     backend.compiler = compiler  # subgraph_infos and traces stay reachable
@@ -153,20 +160,6 @@ def keep_collectives_out_of_thunder(gm) -> int:
     return len(nodes)
 
 
-def _call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
-    """A new ``call_function`` node with the example value dynamo would have recorded for it, which
-    ThunderCompiler's splitter reads."""
-    kwargs = kwargs or {}
-    node = graph.call_function(target, args, kwargs)
-    values = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["example_value"])
-    # The mode the example values were made in (dynamo's tracing context may hold another).
-    fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(values)
-                      if isinstance(v, torch._subclasses.FakeTensor)), None)
-    with fake_mode or contextlib.nullcontext():
-        node.meta["example_value"] = target(*values[0], **values[1])
-    return node
-
-
 _DIFF = ("input", "n", "dim", "prepend", "append")
 
 
@@ -182,10 +175,11 @@ def _diff_as_slices(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     d = dim % value.ndim
     before = (slice(None),) * d
     with graph.inserting_before(node):
-        joined = _call(graph, torch.cat, (parts,), {"dim": d}) if len(parts) > 1 else x
-        later = _call(graph, operator.getitem, (joined, (*before, slice(1, None))))
-        earlier = _call(graph, operator.getitem, (joined, (*before, slice(None, -1))))
-        difference = _call(graph, operator.ne if value.dtype == torch.bool else operator.sub, (later, earlier))
+        joined = call_with_example_value(graph, torch.cat, (parts,), {"dim": d}) if len(parts) > 1 else x
+        later = call_with_example_value(graph, operator.getitem, (joined, (*before, slice(1, None))))
+        earlier = call_with_example_value(graph, operator.getitem, (joined, (*before, slice(None, -1))))
+        difference = call_with_example_value(graph, operator.ne if value.dtype == torch.bool else operator.sub,
+                                             (later, earlier))
     node.replace_all_uses_with(difference)
     graph.erase_node(node)
     return True

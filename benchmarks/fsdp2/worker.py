@@ -424,29 +424,41 @@ def offload_fields(plans: list[OffloadPlan]) -> dict[str, Any]:
     }
 
 
-def thunderfx_summary(compiler) -> dict[str, Any]:
-    """How ThunderFX compiled the step: dynamo's graphs, the Thunder regions in them and why the
-    graphs were split; over the regions (one serves every decoder layer or Block under fsdp2), the
-    attentions as thunder_memopt's passes left them: with ``is_causal``, with a mask (a mask that
-    reaches a region as an input is never proven causal) or neither; and the thunder_memopt symbols and
-    attention kernels of the last forward traces: ``memopt_cudnn_sdpa_*`` where cuDNN took attention
-    (never on CPU), ``memopt_linear_cross_entropy_*`` where the loss head fused."""
-    import thunder
+def attention_kinds(traces: list) -> list[str]:
+    """Each attention of a Thunder region's forward traces as thunder_memopt's passes left it:
+    ``is_causal``, ``mask`` or ``neither``, from the last trace that still calls torch's SDPA (after
+    the passes, before the executors claim it)."""
     import thunder.torch as ltorch
 
     sdpa = inspect.signature(ltorch.scaled_dot_product_attention.meta)
+    with_sdpa = [[b for b in t.bound_symbols if b.sym.id == ltorch.scaled_dot_product_attention.id] for t in traces]
+    kinds = []
+    for b in next((calls for calls in reversed(with_sdpa) if calls), []):
+        bound = sdpa.bind(*b.args, **b.kwargs)
+        bound.apply_defaults()
+        masked, causal = bound.arguments["attn_mask"] is not None, bound.arguments["is_causal"]
+        kinds.append("mask" if masked else "is_causal" if causal else "neither")
+    return kinds
+
+
+def thunderfx_summary(compiler) -> dict[str, Any]:
+    """How ThunderFX compiled the step: dynamo's graphs, the Thunder regions in them and why the
+    graphs were split; over the regions (one serves every decoder layer or Block under fsdp2), the
+    attentions as thunder_memopt's passes left them (``attention_kinds``): with ``is_causal`` (a mask
+    proven causal where it is made, in the region or in the graph that made the region's mask
+    input, thunder_memopt.causal_inputs), with a mask, or neither; a graph whose mask inputs come
+    marked and unmarked has a region for each; and the thunder_memopt symbols and attention kernels
+    of the last forward traces: ``memopt_cudnn_sdpa_*`` where cuDNN took attention (never on CPU),
+    ``memopt_linear_cross_entropy_*`` where the loss head fused."""
+    import thunder
+
     attentions = {"is_causal": 0, "mask": 0, "neither": 0}
     symbols: set[str] = set()
     regions = [fn for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
     for fn in regions:
         traces = thunder.last_traces(fn)
-        # The last trace that still calls torch's SDPA comes after the passes, before the executors claim it.
-        with_sdpa = [[b for b in t.bound_symbols if b.sym.id == ltorch.scaled_dot_product_attention.id] for t in traces]
-        for b in next((calls for calls in reversed(with_sdpa) if calls), []):
-            bound = sdpa.bind(*b.args, **b.kwargs)
-            bound.apply_defaults()
-            masked, causal = bound.arguments["attn_mask"] is not None, bound.arguments["is_causal"]
-            attentions["mask" if masked else "is_causal" if causal else "neither"] += 1
+        for kind in attention_kinds(traces):
+            attentions[kind] += 1
         symbols.update(b.sym.name for b in traces[-1].bound_symbols
                        if b.sym.name.startswith("memopt_") or "sdpa" in b.sym.name or "attention" in b.sym.name)
     reasons = {re.sub(r" at 0x[0-9a-f]+", "", reason.info.splitlines()[0])[:SPLIT_REASON_CHARS]  # no addresses

@@ -30,11 +30,12 @@ import thunder.torch as ltorch
 import torch
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transform_common import dce
 
-__all__ = ["Affine", "AtLeastZero", "is_causal_mask", "causal_attention"]
+__all__ = ["Affine", "AtLeastZero", "is_causal_mask", "causal_attention", "causal_outputs"]
 
 P = prims.PrimIDs
 
@@ -371,9 +372,10 @@ _OPERANDS = ("a", "b", "pred")  # the arguments of elementwise ops, tensors or n
 
 class _Values:
     """The values of a trace's tensors, each computed once, on demand, from its producer: the outermost
-    bound symbol that makes it and has a rule, else the symbols of its decomposition."""
+    bound symbol that makes it and has a rule, else the symbols of its decomposition; ``assumed``: the
+    values of some tensors (by name), taken as given."""
 
-    def __init__(self, trace: TraceCtx) -> None:
+    def __init__(self, trace: TraceCtx, assumed: dict[str, Value] | None = None) -> None:
         self._producers: dict[str, list[BoundSymbol]] = {}
         stack = list(reversed(trace.bound_symbols))
         while stack:  # outer symbols before the symbols of their decompositions
@@ -381,7 +383,7 @@ class _Values:
             for out in b.flat_proxy_outs:
                 self._producers.setdefault(out.name, []).append(b)
             stack.extend(reversed(b.subsymbols))
-        self._known: dict[str, Value | None] = {}
+        self._known: dict[str, Value | None] = dict(assumed or {})
 
     def of(self, x) -> Value | None:
         """The value of a tensor or a number; None where it is not known."""
@@ -455,3 +457,44 @@ def causal_attention(trace: TraceCtx) -> TraceCtx:
     new.set_provenance(TraceProvenance(
         f"thunder_memopt causal_mask: the masks of {len(rewritten)} of {len(attentions)} attentions proven causal"))
     return new
+
+
+# The positions 0, 1, ... of the tokens along the last axis, as transformers makes position ids.
+_POSITIONS = Affine.of({-1: 1}, 0)
+
+
+def _may_hold_positions(x) -> bool:
+    return (isinstance(x, TensorProxy) and dtypes.is_exact_dtype(x.dtype) and not dtypes.is_boolean_dtype(x.dtype)
+            and x.ndim >= 1 and all(isinstance(s, int) for s in x.shape))
+
+
+def causal_outputs(trace: TraceCtx) -> dict[int, tuple[int, ...]]:
+    """The trace's outputs (by position among its flattened outputs) that are causal masks by how
+    they are made, each with the positions among its flattened arguments of the integer inputs that
+    it is causal only if they hold the positions ``0, 1, ...`` along their last axis (empty: causal
+    whatever the inputs). transformers combines its causal mask with the packed-sequence mask of the
+    position ids, which is all true exactly where they count up by one; where the position ids are
+    an input (made outside the graph), the mask is causal if they hold those positions."""
+    outputs = tree_flatten((trace.output,))[0]
+    masks = [i for i, out in enumerate(outputs)
+             if isinstance(out, TensorProxy) and dtypes.is_boolean_dtype(out.dtype) and out.ndim >= 2]
+    if not masks:
+        return {}
+    plain = _Values(trace)
+    found = {i: () for i in masks if is_causal_mask(plain, outputs[i])}
+    inputs = tree_flatten((trace.args, trace.kwargs))[0]
+    candidates = [j for j, x in enumerate(inputs) if _may_hold_positions(x)]
+
+    def proven_given(premise: Sequence[int], mask: TensorProxy) -> bool:
+        return is_causal_mask(_Values(trace, {inputs[j].name: _normalized(_POSITIONS, inputs[j]) for j in premise}),
+                              mask)
+
+    for i in masks:
+        if i in found or not candidates or not proven_given(candidates, outputs[i]):
+            continue
+        premise = list(candidates)
+        for j in candidates:  # only the inputs the proof needs, so that no other input's values matter
+            if proven_given([k for k in premise if k != j], outputs[i]):
+                premise.remove(j)
+        found[i] = tuple(premise)
+    return found
