@@ -24,9 +24,13 @@ LONGEST_FIRST = (
     "test_memory.py",
     "test_fusion.py",
     "test_long_run.py",  # 75, four torchrun jobs
+    "test_causal_inputs.py",  # 70, an FSDP2 job on gloo
+    "test_benchmark_hf.py",  # 60
     "test_checkpoint.py",  # 60
     "test_transformers.py",  # 55
     "test_fit.py",  # 50
+    "test_offload_faults.py",  # 45
+    "test_offload.py",
     "test_schedule.py",
     "test_readme.py",
     "test_simulation.py",
