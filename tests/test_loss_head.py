@@ -344,10 +344,10 @@ def _hf_step(*, fused: bool | None, dtype=torch.float32, seq_len: int = 32, voca
 # Given the head's logits: 300 tokens of 1000 classes walk the vocabulary in the backward, of 100
 # classes the tokens (in chunks of 64, the last one partial).
 @pytest.mark.parametrize("vocab", [1000, 100])
-def test_given_logits_the_head_reads_them_and_adds_their_own_gradient_within_rounding(vocab):
+def test_given_logits_the_head_recomputes_them_and_adds_their_own_gradient_within_rounding(vocab):
     """The head of a model that also returns its logits: the loss from the given logits, and the
-    backward's chunks of them with the returned logits' gradient added, against autograd through
-    cross_entropy of the same logits plus a term of the logits themselves."""
+    backward's chunks of them, recomputed, with the returned logits' gradient added, against
+    autograd through cross_entropy of the same logits plus a term of the logits themselves."""
     from thunder_memopt.executors import chunked_cross_entropy as cce
 
     g = torch.Generator().manual_seed(0)
@@ -362,7 +362,7 @@ def test_given_logits_the_head_reads_them_and_adds_their_own_gradient_within_rou
     with torch.no_grad():
         loss, lse = cce._forward(hidden, weight, None, targets, -100, "mean", None, 64, torch.float32, logits)
         grads = cce._backward(torch.ones(()), hidden, weight, None, targets, lse, -100, "mean", None, 64, True,
-                              logits, logits_grad)
+                              logits_grad)
     torch.testing.assert_close(loss, expected, **FP32)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, **FP32_GRAD)

@@ -23,7 +23,9 @@ Two ways in:
   MemoryOptimization's ``loss_head`` pass puts in place of ``linear -> cross_entropy`` in a trace
   (thunder_memopt.passes.loss_head). Its grad transform saves what the backward above needs.
   Where the model also returns the logits (transformers), ``memopt_linear_cross_entropy_and_logits``
-  makes them whole and its backward reads them instead of recomputing them.
+  makes them whole, the model's result, but does not save them: its backward recomputes them in
+  chunks like the other forms and adds their own gradient. Saved, they would be the step's largest
+  tensor (2 GiB for Llama-3 at T=8192, more than two layers' saved activations) to spare one matmul.
 """
 
 from __future__ import annotations
@@ -151,23 +153,20 @@ def _spans(total: int, step: int) -> list[tuple[int, int]]:
     return [(start, min(total, start + step)) for start in range(0, total, step)]
 
 
-def _chunk_logits(hidden, weight, bias, logits, rows: slice, columns: slice = slice(None)):
-    """One chunk's logits, dense: its slice of ``logits`` where the head's whole output is given (a
-    view for a slice of rows, a copy for one of classes, since the compiled chunk math reads dense
-    chunks), else its own matmul."""
-    if logits is not None:
-        return logits[rows, columns].contiguous()
+def _chunk_logits(hidden, weight, bias, rows: slice, columns: slice = slice(None)):
+    """One chunk's logits, dense, by its own matmul."""
     return torch.nn.functional.linear(hidden[rows], weight[columns], None if bias is None else bias[columns])
 
 
 def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype, logits=None):
     """(loss, log-sum-exp of every token) for (N, C) hidden states and (N,) targets; each chunk's
-    logits read from ``logits``, the head's (N, V) output, where given."""
+    logits a slice of rows of ``logits``, the head's (N, V) output, where given (a dense view)."""
     n = hidden.shape[0]
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start, stop in _spans(n, chunk):
-        logits_chunk = _chunk_logits(hidden, weight, bias, logits, slice(start, stop))
+        rows = slice(start, stop)
+        logits_chunk = _chunk_logits(hidden, weight, bias, rows) if logits is None else logits[rows]
         t = targets[start:stop]
         valid = t != ignore_index
         lse[start:stop], picked = _run(_lse_and_target_logit, logits_chunk, torch.where(valid, t, 0), softcap=softcap)
@@ -212,7 +211,7 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
 
 
 def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, softcap, chunk,
-              needs_weight_grad, logits=None, logits_grad=None):
+              needs_weight_grad, logits_grad=None):
     """Gradients of the hidden states, the weight and the bias (None where not needed).
 
     The walk goes over whichever axis needs the smaller fp32 accumulator: over the vocabulary
@@ -221,9 +220,9 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     gradient summed, vocab x C) at long context. ``chunk`` is the tokens per chunk of the forward,
     which fixes the bytes of one chunk's logits either way.
 
-    Where the head's output is also a result of the model, its logits are read from ``logits``
-    instead of recomputed, and ``logits_grad``, the gradient of that result, is added to each
-    chunk's softmax gradient in the logits' dtype, as the unfused backward adds the two."""
+    Where the head's output is also a result of the model, ``logits_grad``, the gradient of that
+    result, is added to each chunk's softmax gradient in the logits' dtype, as the unfused backward
+    adds the two."""
     n, vocab = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     scale = grad.float()
@@ -240,7 +239,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
         for start, stop in _spans(vocab, width):
             w = weight[start:stop]
             columns = slice(start, stop)
-            logits_chunk = _chunk_logits(hidden, weight, bias, logits, slice(None), columns)
+            logits_chunk = _chunk_logits(hidden, weight, bias, slice(None), columns)
             hit = valid & (target >= start) & (target < stop)
             column = (target - start).clamp_(0, stop - start - 1)
             (g,) = _run(_logits_grad, logits_chunk, lse, column, hit, row_scale, softcap=softcap)
@@ -258,7 +257,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_bias else None
     for start, stop in _spans(n, chunk):
         h, rows = hidden[start:stop], slice(start, stop)
-        logits_chunk = _chunk_logits(hidden, weight, bias, logits, rows)
+        logits_chunk = _chunk_logits(hidden, weight, bias, rows)
         (g,) = _run(_logits_grad, logits_chunk, lse[rows], target[rows], valid[rows], row_scale[rows],
                     softcap=softcap)
         del logits_chunk
@@ -360,9 +359,10 @@ def linear_cross_entropy(
 #   parameter and input gradients, which the backward would create at once anyway; the cost is the
 #   logits' gradient (tokens x vocab, model dtype) during the head's forward.
 # ``head_loss_and_logits`` is the head whose logits are also a result of the model (transformers'
-# ``CausalLMOutput.logits``): one whole matmul makes them, as the unfused head does, and the
-# backward reads them, with their own gradient, instead of recomputing them. What it never holds
-# whole is the fp32 logits, their log-softmax and the loss's gradient of the logits.
+# ``CausalLMOutput.logits``): one whole matmul makes them, as the unfused head does; the backward
+# recomputes them in chunks, as head_backward does for head_loss, and adds their own gradient. What
+# it never holds whole is the fp32 logits, their log-softmax and the loss's gradient of the logits,
+# and it saves nothing of vocabulary size for the backward.
 
 linear_cross_entropy_ex = OperatorExecutor("memopt_linear_cross_entropy", version="0.1")
 register_executor(linear_cross_entropy_ex)
@@ -406,15 +406,13 @@ def _loss_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction
     return _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)[:2]
 
 
-def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits=None,
-                   logits_grad=None):
+def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits_grad=None):
     return (TensorProxy(like=hidden), TensorProxy(like=weight), None if bias is None else TensorProxy(like=bias))
 
 
-def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits=None,
-                   logits_grad=None):
+def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits_grad=None):
     return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, None, chunk, True,
-                     logits, logits_grad)
+                     logits_grad)
 
 
 def _with_gradients_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
@@ -477,8 +475,10 @@ def _put_head_grads(hidden, weight, bias, grads) -> None:
 def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
     loss, logits, lse = head_forward_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk,
                                                 out_dtype)
+    # The backward recomputes the logits (saving them would keep tokens x vocab until it runs), and
+    # adds their own gradient.
     grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk,
-                          logits, get_grad(logits))
+                          get_grad(logits))
     _put_head_grads(hidden, weight, bias, grads)
     return loss, logits
 
@@ -520,9 +520,7 @@ def _backward_workspace(bsym) -> int:
         rows, columns, accumulator = n, _vocabulary_width(n, vocab, chunk), n * width
     else:
         rows, columns, accumulator = min(chunk, n), vocab, vocab * width
-    # A chunk's logits and their gradient; given logits, a slice of rows is a view of them.
-    given_rows = len(bsym.args) > 9 and bsym.args[9] is not None and n >= vocab
-    logits_and_gradient = (1 if given_rows else 2) * rows * columns * hidden.dtype.bytes
+    logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes  # a chunk's
     return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, gradient=True)
             + accumulator * (4 + 4 + hidden.dtype.bytes))
 

@@ -12,8 +12,9 @@ transformers' ``ForCausalLMLoss`` is the same chain (``logits.float().view(-1, V
 shifted by a pad and a slice, ``ignore_index=-100``, "mean", or "sum" that the model then divides
 by ``num_items_in_batch``: the division reads the fused loss as it read the unfused one), but the
 model also returns the logits. Then the head becomes ``memopt_linear_cross_entropy_and_logits``,
-which makes the logits with the same one matmul and returns them in their place; what it never
-holds whole is their fp32 copy, the log-softmax and the loss's gradient of the logits.
+which makes the logits with the same one matmul and returns them in their place, without saving
+them (its backward recomputes them in chunks); what it never holds whole is their fp32 copy, the
+log-softmax and the loss's gradient of the logits.
 
 It rewrites only what it can prove equal: the chain's intermediates used by nothing else, any
 other reader of the logits after the cross-entropy, a mean or sum reduction, no class weights, no
@@ -147,8 +148,9 @@ def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> T
         x, weight, bias = (list(head.linear.args) + [None])[:3]
         ce, target = head.chain[-1], head.target
         tokens, vocab = target.shape[0], weight.shape[0]
-        # With the logits kept, the backward reads them instead of recomputing them: there is no
-        # matmul to save by computing the gradients in the forward, only a logits' gradient to hold.
+        # With the logits kept, the backward multiplies their own gradient by the weight and by the
+        # hidden states whatever the forward did: the loss's gradients computed in the forward would
+        # take two matmuls there to spare the backward one, its recomputation of the logits.
         in_forward = gradients_in_forward and not head.keeps_logits
         chunk = chunk_tokens(tokens, vocab, gradients_in_forward=in_forward, device=x.device.type)
         scope: list[BoundSymbol] = []
