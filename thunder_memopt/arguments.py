@@ -60,11 +60,8 @@ def memory_limit(text: str) -> int | float | str:
     """MemoryOptimization's ``memory_limit``: bytes (an integer, or a number and KiB, MiB, GiB or
     TiB: ``40GiB``), a fraction of the CUDA device's memory (a number with a point: ``0.9``) or
     ``auto``."""
-    unit = next((size for name, size in _BINARY_UNITS.items() if text.endswith(name)), None)
-    number = text[:-3] if unit else text  # each unit's name is three letters
     try:
-        value = (text if text == "auto" else int(float(number) * unit) if unit
-                 else int(number) if number.strip().lstrip("-").isdigit() else float(number))
+        value = _memory_value(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit (bytes, 40GiB, 0.9 or auto)") from None
     try:
@@ -72,6 +69,16 @@ def memory_limit(text: str) -> int | float | str:
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
+
+
+def _memory_value(text: str) -> int | float | str:
+    """``auto``; bytes with a binary unit; an integer as bytes; any other number as a fraction."""
+    if text == "auto":
+        return text
+    for name, size in _BINARY_UNITS.items():
+        if text.endswith(name):
+            return int(float(text[:-len(name)]) * size)
+    return int(text) if text.strip().lstrip("-").isdigit() else float(text)
 
 
 def litgpt_model_name(text: str) -> str:
