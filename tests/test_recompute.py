@@ -96,6 +96,36 @@ def test_the_ladder_ends_at_per_block_checkpointing():
     assert saved[-1] <= (4 + 2) * block_input < saved[0]
 
 
+def _block_step(memopt: MemoryOptimization):
+    """One narrowed Llama Block, jitted on its own as each Block is a program of its own under FSDP2."""
+    from litgpt.model import Block
+
+    from thunder_memopt.models import narrow_config
+
+    torch.manual_seed(0)
+    config = narrow_config(LLAMA, n_layer=1, block_size=256)
+    block = Block(config, block_idx=0).to(torch.bfloat16)
+    jitted = thunder.jit(block, transforms=[memopt])
+    x = torch.randn(1, 256, config.n_embd, dtype=torch.bfloat16, requires_grad=True)
+    cos = torch.randn(1, 256, config.rope_n_elem, dtype=torch.bfloat16)
+    jitted(x, cos, cos.clone()).float().square().mean().backward()
+    return thunder.last_traces(jitted)[-1], x.grad, [p.grad for p in block.parameters()]
+
+
+def test_budget_zero_takes_the_ladders_end_in_a_program_that_runs_once_per_layer():
+    """A Block's saved bytes add up over the Blocks of a step, so at 0.0 it saves what per-block
+    checkpointing saves, whatever its own estimated peak; the whole model keeps the lowest peak."""
+    assert not recompute.runs_per_layer(shared_train_step(LLAMA).forward_trace)
+    plain_forward, *plain_grads = _block_step(MemoryOptimization(passes=()))
+    assert recompute.runs_per_layer(plain_forward)
+    forward, *grads = _block_step(MemoryOptimization(activation_budget=0.0))
+    ladder = recompute.plan_ladder(plain_forward)
+    assert saved_for_backward(forward).activation_bytes == min(p.saved_bytes_after for p in ladder)
+    assert min(p.saved_bytes_after for p in ladder) < ladder[0].saved_bytes_after
+    assert torch.equal(plain_grads[0], grads[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads[1], grads[1]))
+
+
 class _UnknownAndRandomOps(torch.nn.Module):
     def __init__(self):
         super().__init__()
