@@ -38,6 +38,9 @@
 #                   one GPU, FSDP2 with one rank, stablecode 32 layers, T=16384: thunder+memopt against
 #                   thunder+memopt-offload, both at budget 1.0, with --profile: the copies' times (kernel class
 #                   "host copies") against what the plan expected (the rows' offload_plans)
+#   fit-sc32        one GPU, FSDP2 with one rank, stablecode 32 layers, zero2, in-graph loss, T=FIT_T (default
+#                   8192) in one invocation: thunder+memopt at budgets 1.0, 0.5 and 0.0, thunder+memopt-offload at
+#                   1.0 and 0.0, and thunder+memopt-fit at a memory limit of 40 GiB (issue 35's acceptance)
 #   sc32-long       one GPU, FSDP2 with one rank, stablecode 32 layers, T=131072: eager-ac against
 #                   thunder+memopt-offload at budget 0.0, one warm-up and two measured steps each
 #   llama3-8b-fused one GPU, FSDP2 with one rank, Llama-3-8B, 4 layers, T=8192, AdamW fused (--optimizer fused:
@@ -68,6 +71,9 @@
 #   sim-llama3-8b-rungs
 #                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at budgets 0.99 and 0.95
 #                   with the loss head's gradients in the forward (--memopt-head-gradients forward), in one invocation
+#   sim-llama3-8b-fit
+#                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt-fit at memory limits
+#                   45.5 and 45 GiB (MemoryOptimization(memory_limit=...)), in one invocation
 #   sim-sc32        SIMULATED rank 0 of 8: stablecode 32 layers, zero2, T=8192 and 16384 in one invocation,
 #                   every backend
 #   sim-sc32-maxT-inductor sim-sc32-maxT-memopt sim-sc32-maxT-offload sim-sc32-maxT-eager-ac
@@ -88,6 +94,7 @@ OUT=${2:-benchmarks/results}
 PYTHON=${PYTHON:-python}
 TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-9}
 LOG_DIR=${LOG_DIR:-}
+FIT_T=${FIT_T:-8192}  # the block size of group fit-sc32
 
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -202,6 +209,13 @@ case "$GROUP" in
             --block-size 16384 --shard-mode zero2 --loss-mode in-graph --profile \
             --compile thunder+memopt thunder+memopt-offload --memopt-budget 1.0 --offload-budget 1.0 \
             --out "$OUT/stablecode_32l_zero2_1xH200_T16384_offload1_profile.jsonl" ;;
+    fit-sc32)
+        # One invocation, so that the limit's row and the budgets' compare (tables.same_invocation).
+        CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
+            --block-size "$FIT_T" --shard-mode zero2 --loss-mode in-graph \
+            --compile thunder+memopt thunder+memopt-offload thunder+memopt-fit \
+            --memopt-budget 1.0 0.5 0.0 --offload-budget 1.0 0.0 --memory-limit 40 \
+            --out "$OUT/stablecode_32l_zero2_1xH200_T${FIT_T}_fit40.jsonl" ;;
     sc32-long)
         # One long run in one invocation: full checkpointing against the offload setting at T=131072.
         CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
@@ -244,6 +258,10 @@ case "$GROUP" in
         simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
             --compile inductor thunder+memopt --memopt-budget 0.99 0.95 --memopt-head-gradients forward \
             --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_head_forward.jsonl" ;;
+    sim-llama3-8b-fit)
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
+            --compile inductor thunder+memopt-fit --memory-limit 45.5 45 \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_fit.jsonl" ;;
     sim-sc32)
         simulated 8 --model-name stablecode-completion-alpha-3b --n-layer 32 --block-size 8192 16384 --shard-mode zero2 \
             --compile "${ALL_BACKENDS[@]}" --out "$OUT/stablecode_32l_zero2_sim8.jsonl" ;;

@@ -28,20 +28,39 @@ if TYPE_CHECKING:
 
 # --fusion's values: thunder_memopt.executors(fusion=...).
 FUSION = {"on": True, "off": False}
+# What a budget flag's values are (Budgets.kind): a fraction in [0, 1], or a memory limit in GiB
+# (a number above 0, or AUTO: what the device allows, MemoryOptimization's memory_limit="auto").
+FRACTION, MEMORY = "fraction", "memory"
+AUTO = "auto"
+GIB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class Budgets:
-    """A backend's budget flag: each of its values is a row of its own (one trial each)."""
+    """A backend's budget flag: each of its values is a row of its own (one trial each), in the
+    trial's ``budget``."""
 
-    flag: str  # e.g. --memopt-budget; the values are in [0, 1]
-    default: tuple[float, ...]
+    flag: str  # e.g. --memopt-budget
+    default: tuple[float | str, ...]
     help: str
+    # FRACTION or MEMORY. A memory limit is one machine's: with --compile left unset (every backend)
+    # its backend runs only at the limits the flag gives, at ``default`` only where --compile names it.
+    kind: str = FRACTION
 
     @property
     def dest(self) -> str:
         """The flag's attribute on the parsed arguments."""
         return self.flag.removeprefix("--").replace("-", "_")
+
+    def text(self, value: float | str) -> str:
+        """A value as labels and progress lines show it: ``0.5``; a memory limit ``45 GiB`` or ``auto``."""
+        if self.kind == MEMORY:
+            return value if value == AUTO else f"{value:g} GiB"
+        return f"{value:g}"
+
+    def label(self, value: float | str) -> str:
+        """What follows the backend's name in a label: ``@0.5``, or the memory limit itself."""
+        return self.text(value) if self.kind == MEMORY else f"@{self.text(value)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +89,8 @@ class Backend:
     # The Trial options (trial.Compilation fields) that only this backend reads: --resume compares
     # them for its rows alone, and its labels show them.
     own_fields: tuple[str, ...] = ()
-    thunder: bool = False  # compiles with Thunder, so it can also run under thunder-fsdp
+    thunder: bool = False  # compiles with Thunder (its rows report the executors and ThunderFX's graphs)
+    thunder_fsdp: bool = True  # a thunder backend that also runs under thunder-fsdp
 
 
 def checkpoint_every_block(model: torch.nn.Module) -> None:
@@ -111,10 +131,16 @@ def inductor_with_budget(module: torch.nn.Module, trial: Trial, device: torch.de
     return Compiled(forward, module)
 
 
+def memory_limit(value: float | str) -> int | str:
+    """MemoryOptimization's ``memory_limit`` for a limit in GiB (bytes, on any device) or ``auto``."""
+    return value if value == AUTO else int(value * GIB)
+
+
 def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device, *, memopt_executors: bool,
-                     memory_optimization: bool, offload: str = "off") -> Compiled:
+                     memory_optimization: bool, offload: str = "off", fit: bool = False) -> Compiled:
     """Thunder with its default executors or thunder_memopt's (``memopt_executors``), with or
-    without ``MemoryOptimization`` (and its ``offload`` option): ``torch.compile`` with Thunder as its
+    without ``MemoryOptimization`` (and its ``offload`` option; with ``fit``, the trial's budget is
+    its ``memory_limit`` in GiB instead of its ``activation_budget``): ``torch.compile`` with Thunder as its
     backend (ThunderFX) under fsdp2 (FSDP2's hooks need dynamo in front) and for transformers models
     (ThunderFX is Thunder's way in for them), ``thunder.distributed.fsdp`` of ``thunder.jit`` under
     thunder-fsdp, ``thunder.jit`` for a litgpt model on one device."""
@@ -135,7 +161,9 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
         passes = {} if options.memopt_passes is None else {"passes": options.memopt_passes}
         keep = {} if offload == "off" or options.offload_keep is None else {"offload_budget": options.offload_keep}
         head = {} if options.head_gradients is None else {"head_gradients": options.head_gradients}
-        memopt = MemoryOptimization(activation_budget=options.budget, offload=offload, **passes, **keep, **head)
+        plan = ({"memory_limit": memory_limit(options.budget)} if fit
+                else {"activation_budget": options.budget})
+        memopt = MemoryOptimization(offload=offload, **plan, **passes, **keep, **head)
     transforms = [memopt] if memopt is not None else []
     mode = trial.sharding.distributed_mode
     if mode == "fsdp2" or trial.workload.model_source == TRANSFORMERS_SOURCE:
@@ -191,16 +219,33 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
             budgets=Budgets("--offload-budget", (0.0,),
                             "MemoryOptimization(activation_budget=..., offload='budget') for "
                             "thunder+memopt-offload (a row each)")),
+    # Not under thunder-fsdp: the fit's prediction and its check against the measured peak are
+    # validated under FSDP2 and on one device.
+    Backend("thunder+memopt-fit", "thunder+memopt with MemoryOptimization(memory_limit=--memory-limit): each "
+                                  "compiled program takes the recompute rung with the least modelled recompute "
+                                  "whose predicted whole-step peak fits the limit; the step's measured peak is "
+                                  "checked after the warm-up, and planned again once where it is over",
+            thunder=True, thunder_fsdp=False, own_fields=("memopt_passes", "fusion", "head_gradients"),
+            compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True, fit=True),
+            budgets=Budgets("--memory-limit", (40.0,),
+                            "MemoryOptimization(memory_limit=...) for thunder+memopt-fit, in GiB (2**30 bytes, "
+                            "also on CPU) or auto (what the CUDA device allows), a row each; left unset, 40 "
+                            "where --compile names the backend, none where --compile is unset", kind=MEMORY)),
 )}
 
 # Every option some backend owns: a backend that does not own one ignores it.
 OPTION_FIELDS = tuple(dict.fromkeys(field for backend in BACKENDS.values() for field in backend.own_fields))
 
 
-def budgets_for(name: str, args: argparse.Namespace) -> list[float | None]:
+def budgets_for(name: str, args: argparse.Namespace) -> list[float | str | None]:
     """The budgets of backend ``name`` on this command line: a row each; [None] for a backend without."""
     budgets = BACKENDS[name].budgets
     return [None] if budgets is None else list(getattr(args, budgets.dest))
+
+
+def budget_in_name(name: str, budget: float | str | None) -> str:
+    """Backend ``name``'s budget as file names hold it (``0.5``, ``45GiB``, ``auto``); "" for none."""
+    return "" if budget is None else BACKENDS[name].budgets.text(budget).replace(" ", "")
 
 
 def execution(row: Mapping[str, Any]) -> str | None:
@@ -240,16 +285,22 @@ def tags(row: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def label(row: Mapping[str, Any]) -> str:
-    """A row's backend as the tables name it: ``thunder+memopt @0.5 [recompute] [fusion off]``."""
-    name = row["backend"] if row.get("budget") is None else f"{row['backend']} @{row['budget']:g}"
+    """A row's backend as the tables name it: ``thunder+memopt @0.5 [recompute] [fusion off]``,
+    ``thunder+memopt-fit 45 GiB``."""
+    budgets = BACKENDS[row["backend"]].budgets
+    name = row["backend"] if row.get("budget") is None else f"{row['backend']} {budgets.label(row['budget'])}"
     return name + "".join(f" [{tag}]" for tag in tags(row))
 
 
 def describe_trial(trial: Trial) -> str:
     """One line for the progress output: the backend with the options it owns, the block size and setup."""
     compilation, numerics, workload, sharding = trial.compilation, trial.numerics, trial.workload, trial.sharding
-    own = BACKENDS[compilation.backend].own_fields
-    options = "" if compilation.budget is None else f" budget={compilation.budget:g}"
+    backend = BACKENDS[compilation.backend]
+    own, budgets = backend.own_fields, backend.budgets
+    options = ""
+    if compilation.budget is not None:
+        option = "memory_limit" if budgets.kind == MEMORY else "budget"
+        options = f" {option}={budgets.text(compilation.budget)}"
     if "memopt_passes" in own and compilation.memopt_passes is not None:
         options += f" passes={'+'.join(compilation.memopt_passes)}"
     if "fusion" in own and compilation.fusion != "on":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,23 @@ EXIT_NO_ROW = 4  # every row failed (error, OOM or timeout)
 # Each source's --model-name check (argparse's one-line error) and default.
 MODEL_NAMES = {"litgpt": (litgpt_model_name, "stablecode-completion-alpha-3b"),
                TRANSFORMERS_SOURCE: (hf_models.model_name, "Llama-3-8B")}
+
+
+def memory_limit_gib(text: str) -> float | str:
+    """A --memory-limit value: GiB (a finite number above 0) or ``auto``."""
+    if text == backends.AUTO:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit: GiB (a number above 0) or auto") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise argparse.ArgumentTypeError(f"a memory limit in GiB must be a finite number above 0, got {text}")
+    return value
+
+
+# How each kind of budget flag reads its values (backends.Budgets.kind).
+BUDGET_TYPES = {backends.FRACTION: fraction, backends.MEMORY: memory_limit_gib}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
@@ -96,11 +114,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     compilation = parser.add_argument_group("backends")
     compilation.add_argument("--compile", nargs="+", choices=list(backends.BACKENDS),
                              help="backends, a row each in fresh processes; "
-                                  "if unset: all (the thunder ones under thunder-fsdp)")
+                                  "if unset: all (under thunder-fsdp, the thunder ones that run there)")
     for backend in backends.BACKENDS.values():
-        if backend.budgets is not None:
-            compilation.add_argument(backend.budgets.flag, type=fraction, nargs="+",
-                                     default=list(backend.budgets.default), help=backend.budgets.help)
+        budgets = backend.budgets
+        if budgets is not None:  # a memory limit's default depends on --compile: set below
+            compilation.add_argument(budgets.flag, type=BUDGET_TYPES[budgets.kind], nargs="+",
+                                     default=None if budgets.kind == backends.MEMORY else list(budgets.default),
+                                     help=budgets.help)
     compilation.add_argument("--memopt-passes", nargs="+", default=None, choices=PASSES,
                              help="MemoryOptimization(passes=...) for thunder+memopt (default: every pass)")
     compilation.add_argument("--offload-keep", type=fraction, nargs="+", metavar="FRACTION",
@@ -141,11 +161,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     output.add_argument("--trial-timeout", type=positive_float, default=1800, help="seconds before a trial is stopped")
 
     args = parser.parse_args(argv)
-    thunder_backends = [backend.name for backend in backends.BACKENDS.values() if backend.thunder]
+    thunder_backends = [b.name for b in backends.BACKENDS.values() if b.thunder and b.thunder_fsdp]
+    named = args.compile or []
     if args.compile is None:
         args.compile = thunder_backends if args.distributed_mode == "thunder-fsdp" else list(backends.BACKENDS)
     if args.distributed_mode == "thunder-fsdp" and not set(args.compile) <= set(thunder_backends):
-        parser.error("thunder-fsdp shards inside thunder.jit: only the thunder backends can run under it")
+        parser.error(f"thunder-fsdp shards inside thunder.jit: only {', '.join(thunder_backends)} run under it")
+    for backend in backends.BACKENDS.values():
+        if backend.budgets is not None and getattr(args, backend.budgets.dest) is None:
+            # A memory limit is one machine's: every backend (--compile unset) takes none by default.
+            setattr(args, backend.budgets.dest, list(backend.budgets.default) if backend.name in named else [])
     keeping = [b.name for b in backends.BACKENDS.values() if "offload_keep" in b.own_fields]
     if args.offload_keep is not None and not set(keeping) & set(args.compile):
         parser.error(f"--offload-keep applies to {', '.join(keeping)}, which --compile does not list")
@@ -206,6 +231,11 @@ def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     else:
         config = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd)
         args.resolved_n_embd, args.vocab_size = config.n_embd, config.padded_vocab_size
+    limits = [budgets for name in args.compile if (budgets := backends.BACKENDS[name].budgets) is not None
+              and budgets.kind == backends.MEMORY and backends.AUTO in getattr(args, budgets.dest)]
+    if limits and not cuda:
+        parser.error(f"{limits[0].flag} {backends.AUTO} is what a CUDA device allows, and there is none: "
+                     "give the limit in GiB")
     if args.find_max_block_size and args.block_size[0] % args.search_granularity:
         parser.error(f"--block-size {args.block_size[0]} (the search's start) must be a multiple of "
                      "--search-granularity")
@@ -245,7 +275,8 @@ def snapshot_path(base: str | None, trial: Trial) -> str | None:
     if base is None:
         return None
     path = Path(base)
-    budget = "" if trial.compilation.budget is None else f"-{trial.compilation.budget:g}"
+    budget = backends.budget_in_name(trial.compilation.backend, trial.compilation.budget)
+    budget = budget and f"-{budget}"
     if trial.compilation.offload_keep is not None:
         budget += f"-keep{trial.compilation.offload_keep:g}"
     name = f"{path.stem}.{trial.compilation.backend}{budget}.T{trial.workload.block_size}{path.suffix or '.pickle'}"

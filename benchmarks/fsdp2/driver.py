@@ -276,7 +276,8 @@ class Driver:
             return earlier
         timeout_s, limited_by_deadline = self.trial_timeout()
         print(f"[{self.trials}] {backends.describe_trial(trial)} ...", flush=True)
-        budget = "" if trial.compilation.budget is None else f"@{trial.compilation.budget:g}"
+        budget = backends.budget_in_name(trial.compilation.backend, trial.compilation.budget)
+        budget = budget and f"@{budget}"
         log_path = self.log_dir / (f"{time.strftime('%Y%m%d-%H%M%S')}_{trial.compilation.backend}{budget}"
                                    f"_T{trial.workload.block_size}.log")
         started = time.monotonic()

@@ -21,6 +21,7 @@ matplotlib.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 from collections.abc import Callable
 from datetime import datetime
@@ -399,8 +400,8 @@ def summary_order(row: dict) -> tuple:
     then a subset of the passes, then other execution (fusion off, rows from before the executors)."""
     unfused = "fusion" in backends.BACKENDS[row["backend"]].own_fields and backends.execution(row) is not None
     budget = row.get("budget")
-    return (list(backends.BACKENDS).index(row["backend"]), unfused, bool(row.get("memopt_passes")),
-            -(1.0 if budget is None else budget))
+    budget = 1.0 if budget is None else math.inf if budget == backends.AUTO else budget  # auto: the largest limit
+    return (list(backends.BACKENDS).index(row["backend"]), unfused, bool(row.get("memopt_passes")), -budget)
 
 
 def written_by_current_code(row: dict) -> bool:
@@ -430,6 +431,16 @@ def summary_cell(row: dict | None) -> str:
     return f"{peak_cell(row)} / {step_cell(row)}"
 
 
+def fit_details(row: dict) -> str:
+    """A thunder+memopt-fit row's limit, predicted whole-step peak and the peak measured at its
+    check after the warm-up (none on CPU), and whether the check planned again."""
+    measured = row["fit_measured_peak_bytes"]
+    return (f"fit: limit {row['fit_limit_bytes'] / GIB:.2f} GiB, predicted peak "
+            f"{row['fit_predicted_peak_bytes'] / GIB:.2f} GiB, "
+            + ("no measured peak (CPU)" if measured is None else f"measured {measured / GIB:.2f} GiB")
+            + f", rungs {row['fit_rungs']}" + (", planned again" if row["fit_replanned"] else ""))
+
+
 def describe_row(row: dict) -> str:
     """One line for the benchmark's progress output."""
     if row["status"] != "ok":
@@ -448,6 +459,8 @@ def describe_row(row: dict) -> str:
         parts.append(f"SIMULATED rank 0 of {row['world_size']}: measured compute {row['sim_compute_ms']:.0f} ms, "
                      f"modelled step {row['sim_step_ms']:.0f} ms at {row['sim_bus_gbps']:g} GB/s "
                      f"({row['sim_exposed_ms']:.1f} ms of communication exposed)")
+    if row.get("fit_limit_bytes") is not None:
+        parts.append(fit_details(row))
     if row.get("memopt_pass_s"):
         passes = ", ".join(f"{name} {seconds:.2f}" for name, seconds in row["memopt_pass_s"].items())
         parts.append(f"thunder_memopt passes {sum(row['memopt_pass_s'].values()):.2f} s ({passes})")

@@ -95,7 +95,9 @@ class Compilation:
     it owns (``Backend.own_fields``); the others are carried as the command line gave them."""
 
     backend: str
-    budget: float | None = None  # the value of the backend's budget flag, for backends that have one
+    # The value of the backend's budget flag, for backends that have one: a fraction, or for
+    # thunder+memopt-fit the memory limit in GiB or "auto" (backends.Budgets.kind).
+    budget: float | str | None = None
     memopt_passes: tuple[str, ...] | None = None  # thunder+memopt: MemoryOptimization(passes=...); None: all
     fusion: str = "on"  # thunder_memopt.executors(fusion=...): on or off (backends.FUSION)
     # thunder+memopt-offload: MemoryOptimization(offload_budget=...); None: its budget.

@@ -33,12 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.fsdp2 import hf_models, profiling, simulation, step_model
+from benchmarks.fsdp2 import fit_rows, hf_models, profiling, simulation, step_model
 from benchmarks.fsdp2.backends import BACKENDS, Compiled
 from benchmarks.fsdp2.trial import TRANSFORMERS_SOURCE, MemoryPeaks, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, HeadWithLoss, build_model, narrow_config, next_token_loss,
                                    random_batch, training_step)
 from thunder_memopt.executors import offload as offload_executor
+from thunder_memopt.passes.fit import FitCheck
 from thunder_memopt.passes.offload import OffloadPlan
 
 # Small, so that a handful of steps moves every backend's weights alike and the losses stay comparable.
@@ -257,13 +258,22 @@ class TrainingSession:
                                                     seed=workload.seed + rank)
 
     def run_steps(self) -> dict:
-        """Warm-up steps (the first compiles), then the measured steps: their peaks, times and loss."""
+        """Warm-up steps (the first compiles; thunder+memopt-fit's last one checked against its plan, and
+        one more where the check plans again), then the measured steps: their peaks, times and loss."""
         measurement, device = self.trial.measurement, self.device
         step = functools.partial(training_step, self.training.loss, self.optimizer, self.input_ids, self.targets)
+        memopt = self.training.memopt
+        # thunder+memopt-fit on CUDA checks the last warm-up step's peak, on its own: reset before each.
+        fit_check = memopt is not None and memopt.memory_limit is not None and device.type == "cuda"
         with profiling.first_step_profiler(measurement.first_step_profile and self.rank == 0) as first_profiler:
+            if fit_check:
+                torch.cuda.reset_peak_memory_stats(device)
             _, first_step_s = timed(step, device)  # includes compilation
         for _ in range(measurement.warmup - 1):
+            if fit_check:
+                torch.cuda.reset_peak_memory_stats(device)
             timed(step, device)
+        fit_checks = self.check_fit(step, self.allocator_peak) if fit_check else []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.reset_peak_host_memory_stats()
@@ -285,7 +295,8 @@ class TrainingSession:
                           compile_s=first_step_s - median_s, loss=loss.item())
         result = {**dataclasses.asdict(memory_peaks(device)),
                   "reservable_bytes": reservable_bytes(device), **dataclasses.asdict(times)}
-        memopt = self.training.memopt
+        if memopt is not None and memopt.memory_limit is not None:
+            result.update(fit_rows.fit_fields(memopt.fit_report, fit_checks))
         if memopt is not None and memopt.offload_plans:
             # Per step: how long the compute stream stood still for offload's copies (CUDA only), and
             # how many reloads a prefetch had started before they were asked for.
@@ -302,6 +313,26 @@ class TrainingSession:
         if recorder is not None:
             result.update(self.simulation_fields(simulation.median_timeline(recorder.timelines())))
         return result
+
+    def check_fit(self, step: Callable[[], torch.Tensor], peak: Callable[[], int]) -> list[FitCheck]:
+        """thunder+memopt-fit after the warm-up: the step's peak since its reset (``peak``) against the
+        plan (``MemoryOptimization.check_fit``). Where a check plans again, one more step compiles the
+        second plan, and it is checked too. Every rank takes the same path, since that step runs
+        collectives: ``peak`` is the maximum over ranks, and any rank's second plan runs the step on all."""
+        memopt = self.training.memopt
+        checks = [memopt.check_fit(peak())]
+        (replan,) = over_ranks([int(checks[0].replan)], self.device, dist.ReduceOp.MAX)
+        if replan:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            timed(step, self.device)
+            checks.append(memopt.check_fit(peak()))
+        return checks
+
+    def allocator_peak(self) -> int:
+        """The CUDA allocator's peak allocated bytes since its reset, the maximum over ranks."""
+        (peak,) = over_ranks([torch.cuda.max_memory_allocated(self.device)], self.device, dist.ReduceOp.MAX)
+        return peak
 
     def simulation_fields(self, timeline: step_model.Timeline) -> dict[str, Any]:
         """A simulated row's measured timeline (the driver models its step from it), each unit's
