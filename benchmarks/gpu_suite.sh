@@ -98,8 +98,9 @@ FIT_T=${FIT_T:-8192}  # the block size of group fit-sc32
 
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
-# Every backend, from the benchmark's registry (benchmarks/fsdp2/backends.py), in its order.
-ALL_BACKENDS=($("$PYTHON" -m benchmarks.fsdp2.backends))
+# Every backend, from the benchmark's registry (benchmarks/fsdp2/backends.py), in its order; the
+# memory-limit backend only in the groups that name their limits.
+ALL_BACKENDS=($("$PYTHON" -m benchmarks.fsdp2.backends | grep -vx 'thunder+memopt-fit'))
 
 # The driver runs as plain python (it starts a fresh torchrun of N ranks per row), so that its
 # exit code 3 reaches this script; under an outer torchrun it would read as a failed worker.

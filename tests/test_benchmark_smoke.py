@@ -34,6 +34,8 @@ REQUIRED_KEYS = {
 }
 BF16_LOSS_RTOL = 0.02
 SMOKE_TIMEOUT_S = 300
+SMOKE_WARMUP, SMOKE_ITERS = 1, 2
+SMOKE_STEPS = SMOKE_WARMUP + SMOKE_ITERS
 
 
 def run_smoke_benchmark(work: Path) -> tuple[list[dict], str, Path]:
@@ -41,7 +43,7 @@ def run_smoke_benchmark(work: Path) -> tuple[list[dict], str, Path]:
     out = work / "results.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(BENCHMARKS / "benchmark_fsdp2.py"), "--compile", *SMOKE_BACKENDS, "--n-layer", "2",
-               "--n-embd", "256", "--block-size", "128", "--warmup", "1", "--iters", "2", "--profile",
+               "--n-embd", "256", "--block-size", "128", "--warmup", str(SMOKE_WARMUP), "--iters", str(SMOKE_ITERS), "--profile",
                "--out", str(out)]
     finished = subprocess.run(command, capture_output=True, text=True, cwd=work, timeout=SMOKE_TIMEOUT_S)
     assert finished.returncode == 0, finished.stdout[-4000:] + finished.stderr[-4000:]
@@ -77,7 +79,10 @@ def check_backends_agree_on_the_loss(rows: list[dict], printed: str) -> None:
     eager = rows[0]["loss"]
     for row in rows[1:]:
         assert row["loss"] == pytest.approx(eager, rel=BF16_LOSS_RTOL), row["backend"]
+        assert row["step_losses"] == pytest.approx(rows[0]["step_losses"], rel=BF16_LOSS_RTOL), row["backend"]
     assert "WARNING" not in printed
+    # Every step's loss, the warm-ups' too; the last is the row's loss.
+    assert all(len(row["step_losses"]) == SMOKE_STEPS and row["step_losses"][-1] == row["loss"] for row in rows)
 
 
 def check_table_printed_and_plot_written(rows: list[dict], printed: str, out: Path, work: Path) -> None:
@@ -97,6 +102,14 @@ def test_benchmark_end_to_end_on_cpu(tmp_path):
     check_a_row_per_backend_with_every_field(rows)
     check_backends_agree_on_the_loss(rows, printed)
     check_table_printed_and_plot_written(rows, printed, out, tmp_path)
+
+
+def test_the_ratio_table_compares_step_3_losses_of_real_rows_only():
+    base = {"step_losses": [10.0, 8.0, 4.0, 2.0]}
+    assert tables.loss_against(base, {"step_losses": [10.0, 8.0, 4.04]}) == "+1.00% (4.0400 / 4.0000)"
+    assert tables.loss_against(base, {"step_losses": [10.0, 8.0]}) == "–"  # no third step
+    assert tables.loss_against(base, {"loss": 4.0}) == "–"  # a row from before step_losses
+    assert tables.loss_against(base, {"step_losses": [10.0, 8.0, 4.0], "simulated": True}) == "–"
 
 
 def test_a_loss_apart_gets_a_warning(capsys):
@@ -332,7 +345,7 @@ def test_ratios_pair_only_rows_of_one_invocation():
             {**run, "backend": "thunder+memopt", "budget": 1.0, "peak_alloc_max": 2**30, "step_ms": 60.0,
              "date": "2026-12-01T12:00:00"}]
     lines = tables.ratios(rows, "inductor").splitlines()[4:]
-    assert lines == ["| 128 | thunder | 0.75x (3.00 / 4.00 GiB) | 1.100x (55.0 / 50.0 ms) | 10.0 / 10.0 | 2026-12-01 10:00 |"]
+    assert lines == ["| 128 | thunder | 0.75x (3.00 / 4.00 GiB) | 1.100x (55.0 / 50.0 ms) | 10.0 / 10.0 | – | 2026-12-01 10:00 |"]
 
 
 def test_an_invocation_resumed_in_chunks_is_one_invocation_whatever_its_time_limits():

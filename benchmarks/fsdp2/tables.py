@@ -266,6 +266,22 @@ def is_base(row: dict, base: str) -> bool:
     return row["backend"] == base and row.get("budget") is None
 
 
+# The step whose loss ``ratios`` compares: by the third, every backend's weights have moved twice.
+LOSS_STEP = 3
+
+
+def loss_against(base_row: dict, row: dict) -> str:
+    """``row``'s loss at step ``LOSS_STEP`` as a relative difference from ``base_row``'s; "–" where a
+    row has no such step (rows from before ``step_losses``) or is simulated (its losses are garbage)."""
+    if field_value(row, "simulated") or field_value(base_row, "simulated"):
+        return "–"
+    losses = [r.get("step_losses") or [] for r in (base_row, row)]
+    if any(len(values) < LOSS_STEP for values in losses):
+        return "–"
+    base_loss, loss = (values[LOSS_STEP - 1] for values in losses)
+    return f"{(loss - base_loss) / abs(base_loss):+.2%} ({loss:.4f} / {base_loss:.4f})"
+
+
 def ratios(rows: list[dict], base: str) -> str:
     """Per configuration and block size, each backend's peak and step as a multiple of backend
     ``base``'s, only between rows of one invocation, and both first steps; then each backend's memory
@@ -277,6 +293,7 @@ def ratios(rows: list[dict], base: str) -> str:
                (f"step / {base}'s", lambda pair: f"{pair[1]['step_ms'] / pair[0]['step_ms']:.3f}x "
                                                  f"({pair[1]['step_ms']:.1f} / {pair[0]['step_ms']:.1f} ms)"),
                (f"first step s / {base}'s", lambda pair: f"{pair[1]['first_step_s']:.1f} / {pair[0]['first_step_s']:.1f}"),
+               (f"step {LOSS_STEP} loss against {base}'s", lambda pair: loss_against(*pair)),
                ("UTC", lambda pair: f"{pair[0]['date'][:10]} {pair[0]['date'][11:16]}")]
     sections = []
     for group in by_config(rows):

@@ -217,7 +217,7 @@ MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(MemoryPeaks) if f.name 
 
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
-    """The measured steps' times (rank 0, synchronized) and the last step's loss."""
+    """The measured steps' times (rank 0, synchronized), the last step's loss and every step's."""
 
     step_ms: float  # the median
     step_ms_all: list[float]
@@ -225,6 +225,9 @@ class StepTimes:
     first_step_s: float  # includes compilation
     compile_s: float  # first step less the median step
     loss: float
+    # Every step's loss in order, warm-ups included: step 3's is the third (thunder+memopt-fit's
+    # extra warm-up, where its check plans again, is one of them).
+    step_losses: list[float]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,7 +261,14 @@ class TrainingSession:
         """Warm-up steps (the first compiles; thunder+memopt-fit's last one checked against its plan, and
         one more where the check plans again), then the measured steps: their peaks, times and loss."""
         measurement, device = self.trial.measurement, self.device
-        step = functools.partial(training_step, self.training.loss, self.optimizer, self.input_ids, self.targets)
+        train = functools.partial(training_step, self.training.loss, self.optimizer, self.input_ids, self.targets)
+        losses: list[torch.Tensor] = []  # every step's, read once at the end (no host sync per step)
+
+        def step() -> torch.Tensor:
+            loss = train()
+            losses.append(loss.detach())
+            return loss
+
         memopt = self.training.memopt
         # thunder+memopt-fit on CUDA checks the last warm-up step's peak, on its own: reset before each.
         fit_check = memopt is not None and memopt.memory_limit is not None and device.type == "cuda"
@@ -292,7 +299,8 @@ class TrainingSession:
         tokens = self.trial.workload.micro_batch_size * self.trial.workload.block_size
         times = StepTimes(step_ms=median_s * 1e3, step_ms_all=[s * 1e3 for s in step_seconds],
                           tokens_per_s_per_gpu=tokens / median_s, first_step_s=first_step_s,
-                          compile_s=first_step_s - median_s, loss=loss.item())
+                          compile_s=first_step_s - median_s, loss=loss.item(),
+                          step_losses=[value.item() for value in losses])
         result = {**dataclasses.asdict(memory_peaks(device)),
                   "reservable_bytes": reservable_bytes(device), **dataclasses.asdict(times)}
         if memopt is not None and memopt.memory_limit is not None:
