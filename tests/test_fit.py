@@ -212,6 +212,32 @@ def test_a_step_over_the_limit_is_planned_again_once():
         assert not memopt.check_fit(2 * limit).replan  # once
 
 
+def test_a_second_plan_keeps_the_static_term_the_margin_was_measured_against(monkeypatch):
+    """On CUDA the static term is the allocator's bytes at the first compile. Between that and the
+    second plan's compile the first optimizer step makes AdamW's states, which the measured error
+    (the margin) holds already: read again, they would count twice, and nothing would fit."""
+    probe = _probe()
+    allocated = [1 << 30]
+    monkeypatch.setattr(fit, "device_memory", lambda device: DeviceMemory(
+        total=1 << 40, free=1 << 39, reserved=allocated[0], allocated=allocated[0]))
+    pair_peaks = [rung.pair_peak_bytes for rung in probe.rungs]
+    limit = allocated[0] + pair_peaks[0]  # the default plan fits, just
+    training = _Training(MemoryOptimization(memory_limit=limit, offload_rates=fit.NOMINAL_RATES))
+    memopt = training.memopt
+    training.step()
+    assert memopt.fit_report.choices[0].rung == 0
+    assert memopt.fit_report.choices[0].terms.static_bytes == 1 << 30
+    allocated[0] = 2 << 30  # the optimizer's states, made at the first step
+    check = memopt.check_fit(limit + (pair_peaks[0] - min(pair_peaks)) // 2)
+    assert check.replan
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "thunder_memopt: no recompute plan fits")
+        training.step()
+    (choice,) = memopt.fit_report.choices
+    assert choice.terms.static_bytes == 1 << 30 and choice.terms.margin_bytes == check.margin_bytes
+    assert choice.rung > 0 and choice.fits
+
+
 class _Block(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

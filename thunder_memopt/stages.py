@@ -125,6 +125,7 @@ class FitPlanner:
         self.replanned = False  # whether a check has asked for the second plan
         self.calls: dict[tuple, int] = {}
         self.choices: dict[tuple, fit.FitChoice] = {}
+        self.statics: dict[tuple, int] = {}  # each program's static term, from its first plan
         self.device: torch.device | None = None  # the device of the latest program planned
         self.last_check: fit.FitCheck | None = None
 
@@ -138,8 +139,11 @@ class FitPlanner:
         rates = self.rates or (measure_rates(device) if memory is not None else fit.NOMINAL_RATES)
         rungs = [fit.RungCost(plan.saved_bytes_after, estimate.peak_bytes, seconds)
                  for plan, estimate, seconds in zip(plans, estimates, fit.recompute_seconds(plans, rates))]
-        static = estimates[0].forward.input_bytes if memory is None else memory.allocated
         key = self.key(forward)
+        # A second plan keeps the first plan's static term: the margin is the measured error of a
+        # prediction made with it. Read again at the recompile, it would count twice what was made in
+        # between (AdamW's states, after the first optimizer step), which the margin holds already.
+        static = self.statics.setdefault(key, estimates[0].forward.input_bytes if memory is None else memory.allocated)
         terms = fit.StepTerms(static, self.calls.get(key, 1), self.margin_bytes)
         choice = fit.choose_by_limit(rungs, terms, limit)
         if not choice.fits:

@@ -19,7 +19,9 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   has run counts every Block's). Elsewhere (CPU, meta) the bytes of the forward's inputs, from the
   trace: parameters, buffers and the batch. Optimizer states made only at the first optimizer step
   (AdamW's), and FSDP2's buffers allocated after the compile (the later Blocks' all-gathers, the
-  backward's reduce-scatters), are in no term: the check after a step measures them.
+  backward's reduce-scatters), are in no term: the check after a step measures them. A program
+  planned again, or one structurally identical to it compiled apart, keeps the static term of its
+  first plan, against which the check's margin was measured (``stages.FitPlanner``).
 - ``saved``: the bytes one call of the program saves for its backward at this rung (storages,
   parameters excluded: ``RecomputePlan.saved_bytes_after``). The other ``calls - 1`` calls of the
   same program in a step hold theirs while the last call's backward runs.
