@@ -287,6 +287,64 @@ def test_under_thunder_compiler_a_program_run_once_per_block_is_counted_so():
     assert all(c.fits for c in memopt.fit_report.choices)
 
 
+def _blocks_then_head(memopt: MemoryOptimization, monkeypatch, resident: int, other: int):
+    """Three Blocks and a head under ThunderCompiler, the allocator faked: ``resident`` bytes at the
+    Blocks' compile; at the head's, compiled after the three Blocks saved theirs, those too and
+    ``other`` bytes besides. Returns a training step."""
+    from thunder.dynamo import ThunderCompiler
+
+    def memory(device: torch.device) -> DeviceMemory:
+        report = memopt.fit_report
+        block = None if report is None else report.choices[0]
+        allocated = resident if block is None else resident + 3 * block.rungs[block.rung].saved_bytes + other
+        return DeviceMemory(total=1 << 41, free=1 << 40, reserved=allocated, allocated=allocated)
+
+    monkeypatch.setattr(fit, "device_memory", memory)
+    torch.manual_seed(0)
+    blocks, head = [_Block() for _ in range(3)], _Head()
+    backend = ThunderCompiler(transforms=[memopt])
+    for module in (*blocks, head):
+        module.compile(backend=backend)
+    x, y = torch.randn(32, 64, requires_grad=True), torch.randint(0, 10, (32,))
+
+    def step() -> None:
+        h = x
+        for module in blocks:
+            h = module(h)
+        head(h, y).backward()
+
+    return step
+
+
+def test_a_block_planned_again_lowers_the_peak_of_the_head_that_holds_its_saved_tensors(monkeypatch):
+    """Under FSDP2 the step's peak is in the loss head, compiled after every Block has run: on CUDA
+    its static term, the allocator's bytes, holds every Block's saved tensors. Planned again, the
+    Block takes the rung under which the head fits, though its own prediction fits at the default;
+    then the head's static term follows the Block's new saved bytes."""
+    resident, other = 1 << 30, 1 << 20
+    probe = MemoryOptimization(memory_limit=1 << 40, offload_rates=fit.NOMINAL_RATES)
+    _blocks_then_head(probe, monkeypatch, resident, other)()
+    block, loss = probe.fit_report.choices
+    assert block.rung == 0 and loss.terms.static_bytes == resident + 3 * block.rungs[0].saved_bytes + other
+    least = min(rung.saved_bytes for rung in block.rungs)
+    assert least < block.rungs[0].saved_bytes
+    # The limit: the head's peak with every Block at the ladder's least saved bytes.
+    limit = loss.predicted_peak_bytes - 3 * (block.rungs[0].saved_bytes - least)
+    memopt = MemoryOptimization(memory_limit=limit, offload_rates=fit.NOMINAL_RATES)
+    step = _blocks_then_head(memopt, monkeypatch, resident, other)
+    with pytest.warns(UserWarning, match="no recompute plan fits"):  # the head's, planned after the Blocks
+        step()
+    check = memopt.check_fit(loss.predicted_peak_bytes)  # the head's peak, as predicted
+    assert check.replan and check.margin_bytes == 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "thunder_memopt: no recompute plan fits")
+        step()
+    block, loss = memopt.fit_report.choices
+    assert block.rung > 0 and block.rungs[block.rung].saved_bytes == least and block.fits
+    assert loss.terms.static_bytes == resident + 3 * least + other and loss.fits
+    assert memopt.check_fit(limit).predicted_bytes == limit
+
+
 def test_a_jitted_function_is_not_compiled_again_and_says_so():
     torch.manual_seed(0)
     block = _Block()

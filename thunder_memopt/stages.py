@@ -126,6 +126,7 @@ class FitPlanner:
         self.calls: dict[tuple, int] = {}
         self.choices: dict[tuple, fit.FitChoice] = {}
         self.statics: dict[tuple, int] = {}  # each program's static term, from its first plan
+        self.before: dict[tuple, dict[tuple, int]] = {}  # at each one's first plan, the others' saved per call
         self.device: torch.device | None = None  # the device of the latest program planned
         self.last_check: fit.FitCheck | None = None
 
@@ -140,18 +141,44 @@ class FitPlanner:
         rungs = [fit.RungCost(plan.saved_bytes_after, estimate.peak_bytes, seconds)
                  for plan, estimate, seconds in zip(plans, estimates, fit.recompute_seconds(plans, rates))]
         key = self.key(forward)
-        # A second plan keeps the first plan's static term: the margin is the measured error of a
-        # prediction made with it. Read again at the recompile, it would count twice what was made in
-        # between (AdamW's states, after the first optimizer step), which the margin holds already.
-        static = self.statics.setdefault(key, estimates[0].forward.input_bytes if memory is None else memory.allocated)
-        terms = fit.StepTerms(static, self.calls.get(key, 1), self.margin_bytes)
-        choice = fit.choose_by_limit(rungs, terms, limit)
+        if key not in self.statics:
+            # A second plan keeps the first plan's static term: the margin is the measured error of a
+            # prediction made with it. Read again at the recompile, it would count twice what was made
+            # in between (AdamW's states, after the first optimizer step), which the margin holds.
+            self.statics[key] = estimates[0].forward.input_bytes if memory is None else memory.allocated
+            # What each program planned before this one saved per call then: on CUDA in this one's
+            # static term, the allocator's bytes; not in the trace's inputs (CPU, meta).
+            self.before[key] = self._saved_per_call() if memory is not None else {}
+        saved = self._saved_per_call()
+        terms = fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes)
+        # The later programs that hold this one's saved tensors in their static term (a loss head
+        # after the Blocks): their peak at each of this one's rungs.
+        later = [p for p in self.choices if p != key and key in self.before[p]]
+        others = tuple(max(self._peak(p, {**saved, key: rung.saved_bytes}) for p in later)
+                       for rung in rungs) if later else ()
+        choice = fit.choose_by_limit(rungs, terms, limit, others)
         if not choice.fits:
             warnings.warn(f"thunder_memopt: no recompute plan fits memory_limit={limit} bytes; the lowest "
                           f"predicted peak, {choice.predicted_peak_bytes} bytes, is taken")
         self.choices[key] = choice
         self.device = device
         return choice.rung
+
+    def _saved_per_call(self) -> dict[tuple, int]:
+        """What each program planned so far saves per call at its rung."""
+        return {key: c.rungs[c.rung].saved_bytes for key, c in self.choices.items()}
+
+    def _static(self, key: tuple, saved: dict[tuple, int]) -> int:
+        """Program ``key``'s static term where each program saves ``saved`` per call: its first plan's,
+        with the change in what the programs planned before it save, over their calls."""
+        return self.statics[key] + sum(self.calls.get(q, 1) * (saved[q] - before)
+                                       for q, before in self.before[key].items() if q in saved and q != key)
+
+    def _peak(self, key: tuple, saved: dict[tuple, int]) -> int:
+        """Program ``key``'s predicted whole-step peak at its rung, where each program saves ``saved``."""
+        choice = self.choices[key]
+        terms = fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes)
+        return terms.peak(choice.rungs[choice.rung])
 
     @staticmethod
     def key(forward: TraceCtx) -> tuple[tuple[str, tuple[int, ...], str], ...]:
@@ -165,8 +192,8 @@ class FitPlanner:
         """``measured_bytes``, a step's peak, against the prediction with each program's ``calls`` per
         step as counted (``fit.check_fit``); where it asks for the second plan, the margin it takes."""
         self.calls.update(calls)
-        predicted = max(dataclasses.replace(c.terms, calls=self.calls.get(key, c.terms.calls)).peak(c.rungs[c.rung])
-                        for key, c in self.choices.items())
+        saved = self._saved_per_call()
+        predicted = max(self._peak(key, saved) for key in self.choices)
         check = fit.check_fit(predicted, measured_bytes, self.report().limit_bytes,
                               margin_bytes=self.margin_bytes, replanned=self.replanned)
         if check.replan:

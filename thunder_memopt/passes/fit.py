@@ -34,6 +34,12 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
 - ``pair_peak``: the program's own peak over its forward and backward, from the traces
   (``memory.estimate_step``): its saved tensors with its largest transient working set (a Block's
   backward, the loss head's chunks), its gradients, as they are made.
+- Programs planned later: on CUDA a program's static term holds what the programs planned before
+  it saved (a loss head compiled after every Block counts every Block's), so a rung of the Block
+  also moves the head's peak. A program takes the rung under which its own prediction and those of
+  the programs whose static term holds its saved tensors fit (``FitChoice.others_bytes``), and a
+  static term follows the saved bytes the earlier programs take when they are planned again, over
+  their counted calls (``stages.FitPlanner``).
 - ``margin``: 0 at the first plan; after a step measured over the limit, raised by the measured
   peak less the prediction (``check_fit``), and the one second plan takes it.
 
@@ -54,6 +60,7 @@ programs (the limit, the margin, the counted calls) is ``stages.FitPlanner``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,15 +187,18 @@ class FitChoice:
     limit_bytes: int
     terms: StepTerms
     rungs: tuple[RungCost, ...]
+    # At each rung, the highest predicted peak of the programs that run after this one and hold its
+    # saved tensors in their static term (a loss head after the Blocks); () where there are none.
+    others_bytes: tuple[int, ...] = ()
 
     @property
     def predicted_peaks(self) -> tuple[int, ...]:
-        """The whole step's predicted peak at each rung."""
-        return tuple(self.terms.peak(r) for r in self.rungs)
+        """The whole step's predicted peak at each rung: this program's, or a later one's above it."""
+        return tuple(max((self.terms.peak(r), *self.others_bytes[k:k + 1])) for k, r in enumerate(self.rungs))
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.terms.peak(self.rungs[self.rung])
+        return self.predicted_peaks[self.rung]
 
     @property
     def fits(self) -> bool:
@@ -204,19 +214,24 @@ def recompute_seconds(plans: Sequence[RecomputePlan], rates: DeviceRates) -> lis
     return [sum(seconds[id(b)] for b in plan.replayed) for plan in plans]
 
 
-def choose_by_limit(rungs: Sequence[RungCost], terms: StepTerms, limit_bytes: int) -> FitChoice:
+def choose_by_limit(rungs: Sequence[RungCost], terms: StepTerms, limit_bytes: int,
+                    others_bytes: Sequence[int] = ()) -> FitChoice:
     """Of the rungs whose predicted whole-step peak is at most ``limit_bytes``, the one with the least
     recompute time (ties: the lower peak, then the earlier rung); where none is, the lowest peak.
+    ``others_bytes``: at each rung, the peak of the later programs that this one's saved bytes
+    raise (``FitChoice.others_bytes``).
 
     A lower limit only removes rungs a higher one could take, so the predicted peak of the choice
     never rises as the limit falls."""
-    peaks = [terms.peak(r) for r in rungs]
+    choice = FitChoice(rung=0, limit_bytes=limit_bytes, terms=terms, rungs=tuple(rungs),
+                       others_bytes=tuple(others_bytes))
+    peaks = choice.predicted_peaks
     fitting = [k for k, peak in enumerate(peaks) if peak <= limit_bytes]
     if fitting:
         k = min(fitting, key=lambda k: (rungs[k].recompute_seconds, peaks[k], k))
     else:
         k = min(range(len(rungs)), key=lambda k: (peaks[k], rungs[k].recompute_seconds, k))
-    return FitChoice(rung=k, limit_bytes=limit_bytes, terms=terms, rungs=tuple(rungs))
+    return dataclasses.replace(choice, rung=k)
 
 
 @dataclass(frozen=True)
