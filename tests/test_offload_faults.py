@@ -2,11 +2,13 @@
 stand in for the host): bad host limits are one-line errors where MemoryOptimization is built;
 "auto" takes its stated share of the host; and a step that raises part way (a CUDA out-of-memory
 error in a copy of its forward or a reload of its backward) leaves nothing pinned, held or queued
-once it is dropped, and the next steps equal a first one bit for bit. The GPU's copy events and
-side stream are stood in for by fakes, so that the bookkeeping that only CUDA fills (the copies
-not yet waited for, the reloads not yet waited for) is filled here too."""
+once it is dropped, and the next steps equal a first one bit for bit; while it is kept, they
+reload early as a first one does. The GPU's copy events and side stream are stood in for by
+fakes, so that the bookkeeping that only CUDA fills (the copies not yet waited for, the reloads
+not yet waited for) is filled here too."""
 
 import gc
+import sys
 
 import pytest
 import thunder
@@ -157,3 +159,56 @@ def test_a_step_that_runs_out_of_memory_leaves_nothing_behind(monkeypatch, fresh
     smaller = x[:32]
     _assert_equal(_step(model, jitted, smaller), _step(model, plain, smaller))
     assert offload_executor.offload_state() == EMPTY
+
+
+def test_a_cpu_prefetch_whose_copy_dies_goes_without_an_error_in_its_finalizer(monkeypatch, fresh_host_limit):
+    """A host copy that dies while its reload, started ahead, is pending: on a CPU that reload was
+    copied at once (no event), so its tensor is not handed to a side stream, which a CPU has none
+    of. (No fakes: a side stream here would raise in the finalizer, and the error would be printed
+    and ignored.)"""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda hook: unraisable.append(repr(hook.exc_value)))
+    first = offload_executor._offload_impl(torch.randn(1024), 0, True)
+    second = offload_executor._offload_impl(torch.randn(1024), 1, False)
+    reloaded = offload_executor._reload_impl(first, "cpu")  # starts second's reload ahead
+    assert torch.equal(reloaded, first) and offload_executor.offload_state().prefetched == 1
+    del second
+    gc.collect()
+    assert unraisable == []
+    del first, reloaded
+    assert offload_executor.offload_state() == EMPTY
+
+
+def test_the_steps_after_a_failed_one_kept_alive_reload_early_as_clean_steps_do(monkeypatch, fresh_host_limit):
+    """With a failed step's exception held (so its graph and the copies it made stay alive), at each
+    of ``FAULTS``' places, each of the next two steps starts as many reloads early as a clean step
+    does, holds no prefetch of the failed step's copies after it, and equals the first step bit for
+    bit; once the exception is dropped nothing is left."""
+    monkeypatch.setattr(offload_pass, "MIN_BYTES", 1)
+    torch.manual_seed(0)
+    model, x = _TanhStack(), torch.randn(128, 64)
+    memopt = MemoryOptimization(activation_budget=1.0, offload="budget", offload_budget=0.0, offload_rates=INSTANT)
+    jitted = thunder.jit(model, transforms=[memopt])
+    fake = _FakeCudaCopies(monkeypatch)
+
+    def counted_step():
+        with offload_executor.activity_recorded() as activity:
+            result = _step(model, jitted, x)
+        return result, (activity.reloads, activity.prefetched)
+
+    first, clean = counted_step()
+    assert clean == (5, 4)
+    for fault, (fail_at, _) in FAULTS.items():
+        fake.done, fake.fail_at = dict.fromkeys(fake.done, 0), fail_at
+        with pytest.raises(RuntimeError, match="CUDA out of memory") as failed:
+            _step(model, jitted, x)
+        fake.fail_at = None
+        assert offload_executor.offload_state().host_copies > 0, fault  # held by ``failed``
+        for _ in range(2):
+            result, counts = counted_step()
+            assert counts == clean, fault
+            _assert_equal(result, first)
+            assert offload_executor.offload_state().prefetched == 0, fault
+        del failed
+        gc.collect()
+        assert offload_executor.offload_state() == EMPTY, fault

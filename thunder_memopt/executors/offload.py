@@ -22,10 +22,12 @@ in the backward, for the offload pass (thunder_memopt.passes.offload).
   stream runs next.
 - ``memopt_wait_reload(t) -> t``: the current stream waits for ``t``'s copy. The pass puts it just
   before ``t``'s first reader and the reload one reload earlier (a prefetch). Each reload also
-  starts the next one the backward will ask for (``next_to_prefetch``: the latest forward call's
-  first copy in its backward's order), so that a program whose backward reads a saved tensor
-  first thing (each Block's under FSDP2) finds it on its way, started during the previous
-  program's backward.
+  starts the next one the backward will ask for (``next_to_prefetch``: of the step in flight's
+  copies, the latest forward call's first in its backward's order), so that a program whose
+  backward reads a saved tensor first thing (each Block's under FSDP2) finds it on its way, started
+  during the previous program's backward. A forward call begins a new step where a backward ran
+  since the last one, or the last one's forward raised before it ended its copies (one neither
+  waited for nor released).
 
 ``activity_recorded()`` counts the reloads and those a prefetch had started, and times, on CUDA, how
 long the compute streams stand still in those two waits: what the cost model says is hidden, measured.
@@ -59,7 +61,10 @@ drops its pending wait. A step that raises (a CUDA out-of-memory error in its fo
 backward) leaves copies that are never waited for or reloaded; once its graph is dropped, they die,
 their sources and reloads are handed to the side stream (``record_stream``), whose queued copies
 may still use them, and ``offload_state()`` is empty again: nothing stays pinned or held, and the
-next step runs as a fresh one does.
+next step runs as a fresh one does. While its graph is kept (its exception held, or
+``sys.last_traceback``), its copies stay pinned, but the next step prefetches none of them, and
+drops a prefetch of theirs still pending at its first forward call: it would never be asked for, and
+as the one prefetch ahead it would stop all others.
 """
 
 from __future__ import annotations
@@ -111,10 +116,23 @@ class _Offloaded(NamedTuple):
 # Host copies not reloaded yet, by id.
 _offloaded: dict[int, _Offloaded] = {}
 _groups = itertools.count(1)
-_group = 0
+
+
+@dataclass
+class _Step:
+    """The step in flight: the forward calls from ``first_group`` on (``_open_group``)."""
+
+    first_group: int = 0
+    group: int = 0  # the latest forward call's
+    unended: int = 0  # that call's copies neither waited for nor released yet
+    reloaded: bool = False  # a reload has run since that call began
+
+
+_step = _Step()
+
 # The reload started ahead of its call (by the host copy's id): the copy's weak reference, which
-# tells a live copy from a new one at a reused id, the reloaded tensor and its event.
-_prefetched: dict[int, tuple[weakref.ref, torch.Tensor, torch.cuda.Event]] = {}
+# tells a live copy from a new one at a reused id, the reloaded tensor and its event (None on a CPU).
+_prefetched: dict[int, tuple[weakref.ref, torch.Tensor, torch.cuda.Event | None]] = {}
 
 
 HostMemoryLimit = int | Literal["auto"]
@@ -205,10 +223,20 @@ def _forget(key: int, pinned_bytes: int) -> None:
     _host.pinned -= pinned_bytes
     _offloaded.pop(key, None)
     _kept.pop(key, None)
-    # Each holds its device tensor second: a copy's source, a prefetch's reloaded tensor.
-    for held in (_copying.pop(key, None), _prefetched.pop(key, None)):
-        if held is not None:
-            _release_to_side_stream(held[1])
+    copying = _copying.pop(key, None)  # only copies on a side stream (CUDA) have entries
+    if copying is not None:
+        _release_to_side_stream(copying[1])
+    prefetched = _prefetched.pop(key, None)
+    if prefetched is not None:
+        _drop_prefetch(prefetched)
+
+
+def _drop_prefetch(prefetched: tuple[weakref.ref, torch.Tensor, torch.cuda.Event | None]) -> None:
+    """A prefetch that is never asked for: its copy, if on the side stream (an event; on a CPU it was
+    made at once), may still be filling its tensor."""
+    _, t, copied = prefetched
+    if copied is not None:
+        _release_to_side_stream(t)
 
 
 def _forget_reload(key: int) -> None:
@@ -340,10 +368,22 @@ def _offload_meta(t: TensorProxy, reload_rank: int, opens_group: bool) -> Tensor
     return host_copy_proxy(t)
 
 
+def _open_group() -> None:
+    """A forward call's first copy: its group, and a new step where a backward ran since the last
+    call or the last call's forward raised. The copies made before are then not of this step (a
+    failed step's kept graph): a prefetch of theirs still pending would never be asked for."""
+    _step.group = next(_groups)
+    if _step.unended or _step.reloaded:
+        _step.first_group = _step.group
+        while _prefetched:
+            _drop_prefetch(_prefetched.popitem()[1])
+    _step.unended, _step.reloaded = 0, False
+
+
 def _offload_impl(t: torch.Tensor, reload_rank: int, opens_group: bool) -> torch.Tensor:
-    global _group
     if opens_group:
-        _group = next(_groups)
+        _open_group()
+    _step.unended += 1  # before the copy, which may raise: then the forward never ends it
     pinned = _pinned_bytes(t)
     if _host.pinned + pinned > host_memory_limit():
         # Kept on the device, as its own host copy: the reload returns it as it is.
@@ -358,7 +398,7 @@ def _offload_impl(t: torch.Tensor, reload_rank: int, opens_group: bool) -> torch
     _on_death(host, _forget, id(host), pinned)
     if copied is not None:
         _copying[id(host)] = (copied, t)
-    _offloaded[id(host)] = _Offloaded(weakref.ref(host), str(t.device), _group, reload_rank)
+    _offloaded[id(host)] = _Offloaded(weakref.ref(host), str(t.device), _step.group, reload_rank)
     return host
 
 
@@ -367,6 +407,7 @@ def _offload_wait_meta(host: TensorProxy) -> None:
 
 
 def _offload_wait_impl(host: torch.Tensor) -> None:
+    _step.unended -= 1
     copying = _copying.pop(id(host), None)
     if copying is not None:
         copied, source = copying
@@ -374,6 +415,7 @@ def _offload_wait_impl(host: torch.Tensor) -> None:
 
 
 def _offload_release_impl(host: torch.Tensor) -> None:
+    _step.unended -= 1
     copying = _copying.pop(id(host), None)
     if copying is not None:
         _release_to_side_stream(copying[1])
@@ -401,6 +443,7 @@ def _copied(t: torch.Tensor, to: torch.device | str, device: torch.device
 
 
 def _reload_impl(host: torch.Tensor, device: str) -> torch.Tensor:
+    _step.reloaded = True
     _warn_of_kept_once()
     kept = _kept.pop(id(host), None)
     if kept is not None and kept[0]() is host:
@@ -438,19 +481,22 @@ def _warn_of_kept_once() -> None:
 
 def _prefetch_next(device: str) -> None:
     """Start the reload the backward will ask for next (``next_to_prefetch``), one ahead at most.
-    (A copy whose backward never runs takes its entries with it when it dies: ``_forget``.)"""
-    key = None if _prefetched else next_to_prefetch(_offloaded, device)
+    (A copy whose backward never runs takes its entries with it when it dies, ``_forget``, and its
+    pending prefetch goes at the next step's first forward call, ``_open_group``.)"""
+    key = None if _prefetched else next_to_prefetch(_offloaded, device, _step.first_group)
     if key is not None:
         entry = _offloaded[key]
         _prefetched[key] = (entry.ref, *_copied(entry.ref(), device, torch.device(device)))
 
 
-def next_to_prefetch(offloaded: Mapping[int, _Offloaded], device: str) -> int | None:
-    """Of the host copies not reloaded yet, the one a backward reloads next: programs run their
-    backwards in the reverse order of their forwards (one per Block under FSDP2), so the latest
-    forward call's, and of its copies the first in its backward's order. A program whose backward
-    reads a saved tensor first thing then finds it on its way, started during the previous one's."""
-    live = [(key, entry) for key, entry in offloaded.items() if entry.device == device and entry.ref() is not None]
+def next_to_prefetch(offloaded: Mapping[int, _Offloaded], device: str, first_group: int = 0) -> int | None:
+    """Of the host copies not reloaded yet of the forward calls from ``first_group`` on (the step in
+    flight's), the one a backward reloads next: programs run their backwards in the reverse order of
+    their forwards (one per Block under FSDP2), so the latest forward call's, and of its copies the
+    first in its backward's order. A program whose backward reads a saved tensor first thing then
+    finds it on its way, started during the previous one's."""
+    live = [(key, entry) for key, entry in offloaded.items()
+            if entry.device == device and entry.group >= first_group and entry.ref() is not None]
     if not live:
         return None
     latest = max(entry.group for _, entry in live)
