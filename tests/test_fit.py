@@ -259,22 +259,8 @@ class _Head(torch.nn.Module):
 def test_under_thunder_compiler_a_program_run_once_per_block_is_counted_so():
     # Three Blocks compiled one by one, as FSDP2's units are under torch.compile: one program,
     # called three times a step; the head's, once.
-    from thunder.dynamo import ThunderCompiler
-
-    torch.manual_seed(0)
-    blocks, head = [_Block() for _ in range(3)], _Head()
     memopt = MemoryOptimization(memory_limit=1 << 20)
-    backend = ThunderCompiler(transforms=[memopt])
-    for module in (*blocks, head):
-        module.compile(backend=backend)
-    x, y = torch.randn(32, 64, requires_grad=True), torch.randint(0, 10, (32,))
-
-    def step() -> None:
-        h = x
-        for block in blocks:
-            h = block(h)
-        head(h, y).backward()
-
+    step = _blocks_then_head(memopt)
     step()
     assert [c.terms.calls for c in memopt.fit_report.choices] == [1, 1]
     block, loss = memopt.fit_report.choices
@@ -287,19 +273,11 @@ def test_under_thunder_compiler_a_program_run_once_per_block_is_counted_so():
     assert all(c.fits for c in memopt.fit_report.choices)
 
 
-def _blocks_then_head(memopt: MemoryOptimization, monkeypatch, resident: int, other: int):
-    """Three Blocks and a head under ThunderCompiler, the allocator faked: ``resident`` bytes at the
-    Blocks' compile; at the head's, compiled after the three Blocks saved theirs, those too and
-    ``other`` bytes besides. Returns a training step."""
+def _blocks_then_head(memopt: MemoryOptimization):
+    """Three Blocks and a head, each compiled under ThunderCompiler with ``memopt`` as FSDP2's units
+    are under torch.compile. Returns a training step."""
     from thunder.dynamo import ThunderCompiler
 
-    def memory(device: torch.device) -> DeviceMemory:
-        report = memopt.fit_report
-        block = None if report is None else report.choices[0]
-        allocated = resident if block is None else resident + 3 * block.rungs[block.rung].saved_bytes + other
-        return DeviceMemory(total=1 << 41, free=1 << 40, reserved=allocated, allocated=allocated)
-
-    monkeypatch.setattr(fit, "device_memory", memory)
     torch.manual_seed(0)
     blocks, head = [_Block() for _ in range(3)], _Head()
     backend = ThunderCompiler(transforms=[memopt])
@@ -316,6 +294,18 @@ def _blocks_then_head(memopt: MemoryOptimization, monkeypatch, resident: int, ot
     return step
 
 
+def _fake_allocator(memopt: MemoryOptimization, monkeypatch, resident: int, other: int) -> None:
+    """The allocator faked for ``_blocks_then_head``: ``resident`` bytes at the Blocks' compile; at
+    the head's, compiled after the three Blocks saved theirs, those too and ``other`` bytes besides."""
+    def memory(device: torch.device) -> DeviceMemory:
+        report = memopt.fit_report
+        block = None if report is None else report.choices[0]
+        allocated = resident if block is None else resident + 3 * block.rungs[block.rung].saved_bytes + other
+        return DeviceMemory(total=1 << 41, free=1 << 40, reserved=allocated, allocated=allocated)
+
+    monkeypatch.setattr(fit, "device_memory", memory)
+
+
 def test_a_block_planned_again_lowers_the_peak_of_the_head_that_holds_its_saved_tensors(monkeypatch):
     """Under FSDP2 the step's peak is in the loss head, compiled after every Block has run: on CUDA
     its static term, the allocator's bytes, holds every Block's saved tensors. Planned again, the
@@ -323,7 +313,8 @@ def test_a_block_planned_again_lowers_the_peak_of_the_head_that_holds_its_saved_
     then the head's static term follows the Block's new saved bytes."""
     resident, other = 1 << 30, 1 << 20
     probe = MemoryOptimization(memory_limit=1 << 40, offload_rates=fit.NOMINAL_RATES)
-    _blocks_then_head(probe, monkeypatch, resident, other)()
+    _fake_allocator(probe, monkeypatch, resident, other)
+    _blocks_then_head(probe)()
     block, loss = probe.fit_report.choices
     assert block.rung == 0 and loss.terms.static_bytes == resident + 3 * block.rungs[0].saved_bytes + other
     least = min(rung.saved_bytes for rung in block.rungs)
@@ -331,7 +322,8 @@ def test_a_block_planned_again_lowers_the_peak_of_the_head_that_holds_its_saved_
     # The limit: the head's peak with every Block at the ladder's least saved bytes.
     limit = loss.predicted_peak_bytes - 3 * (block.rungs[0].saved_bytes - least)
     memopt = MemoryOptimization(memory_limit=limit, offload_rates=fit.NOMINAL_RATES)
-    step = _blocks_then_head(memopt, monkeypatch, resident, other)
+    _fake_allocator(memopt, monkeypatch, resident, other)
+    step = _blocks_then_head(memopt)
     with pytest.warns(UserWarning, match="no recompute plan fits"):  # the head's, planned after the Blocks
         step()
     check = memopt.check_fit(loss.predicted_peak_bytes)  # the head's peak, as predicted
