@@ -14,7 +14,11 @@ real width under the benchmark's backend (``benchmarks/fsdp2/backends.py``, buil
 
 under ``thunder.jit`` (``--distributed-mode none``) and FSDP2 with one rank (``fsdp2``: one
 compiled pair serves every Block, so the reloads of one Block's backward are prefetched during
-another's). A first step compiles with the sanitizer off; the sanitizer checks the second.
+another's). A first step compiles with the sanitizer off; the sanitizer checks the second. Dynamo
+runs no compiled code under a dispatch mode that does not ignore compile internals, so the
+sanitizer's mode is marked as one that does: the fsdp2 cases run their compiled programs checked,
+not eagerly. A case is CLEAN only where its pass acted in the checked step: reloads for offload,
+region outputs written into their inputs for donate.
 
 The sanitizer sees what goes through PyTorch's dispatcher (copies, matmuls, attention, the
 optimizer, allocations). Inductor's Triton kernels, which the fusion regions launch directly, it
@@ -106,6 +110,7 @@ class Seen:
     kernels: int = 0
     by_stream: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     regions: int = 0
+    donated_writes: int = 0  # region outputs written into one of the region's inputs
 
 
 def report_region_accesses(seen: Seen) -> contextlib.AbstractContextManager:
@@ -124,6 +129,7 @@ def report_region_accesses(seen: Seen) -> contextlib.AbstractContextManager:
             inputs = [a for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
             outputs = [o for o in _pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_cuda]
             written = {t.data_ptr() for t in outputs}
+            seen.donated_writes += len(written & {t.data_ptr() for t in inputs})
             aliases = collections.defaultdict(list)
             for index, t in enumerate(inputs):
                 aliases[t.data_ptr()].append(f"region input {index}")
@@ -169,13 +175,16 @@ def sanitized(seen: Seen, output: io.StringIO) -> Iterator[None]:
     lines = logging.StreamHandler(output)
     log.addHandler(lines)
     log.setLevel(logging.INFO)
-    csan.cuda_sanitizer.enable()
-    try:
-        with _patched(handler, "_handle_kernel_launch", counted), contextlib.redirect_stderr(output):
-            yield
-    finally:
-        csan.cuda_sanitizer.disable()
-        log.removeHandler(lines)
+    # Dynamo runs no compiled code under a dispatch mode unless the mode says it ignores compile
+    # internals: without this, torch.compile'd steps (distributed mode fsdp2) would run eagerly here.
+    with _patched(csan.CUDASanitizerDispatchMode, "ignore_compile_internals", classmethod(lambda cls: True)):
+        csan.cuda_sanitizer.enable()
+        try:
+            with _patched(handler, "_handle_kernel_launch", counted), contextlib.redirect_stderr(output):
+                yield
+        finally:
+            csan.cuda_sanitizer.disable()
+            log.removeHandler(lines)
 
 
 def run_case(payload_file: Path) -> int:
@@ -209,7 +218,7 @@ def run_case(payload_file: Path) -> int:
     busiest = max(seen.by_stream.values(), default=0)  # the compute stream's launches
     result = {"status": "ok", "clean": errors is None, "errors": errors or 0, "kernels": seen.kernels,
               "streams": len(seen.by_stream), "side_stream_kernels": seen.kernels - busiest,
-              "regions": seen.regions, "reloads": activity.reloads, "reloads_prefetched": activity.prefetched,
+              "regions": seen.regions, "donated_writes": seen.donated_writes, "reloads": activity.reloads, "reloads_prefetched": activity.prefetched,
               "offloaded_tensors": sum(len(plan.offloaded) for plan in memopt.offload_plans),
               "donated_outputs": memopt.donated_outputs, "memopt_warnings": memopt_warnings,
               "sanitizer_output": output.getvalue()}
@@ -221,14 +230,15 @@ def run_case(payload_file: Path) -> int:
 
 
 def case_state(case: str, outcome: dict) -> str:
-    """CLEAN only where the sanitizer checked kernels and the case's pass acted in the step."""
+    """CLEAN only where the sanitizer checked kernels and the case's pass acted in the checked step:
+    reloads of offloaded tensors, or fusion regions that wrote outputs into their inputs."""
     if outcome.get("status") != "ok":
         return outcome.get("status", "error").upper()
     if not outcome["clean"]:
         return "UNSYNCHRONIZED ACCESS"
-    acted = "offloaded_tensors" if case == "offload" else "donated_outputs"
+    acted = "reloads" if case == "offload" else "donated_writes"
     if outcome["kernels"] == 0 or outcome[acted] == 0:
-        return f"NOT CHECKED (kernels seen: {outcome['kernels']}, {acted}: {outcome[acted]})"
+        return f"NOT CHECKED (kernels seen: {outcome['kernels']}, {acted} in the checked step: {outcome[acted]})"
     return "CLEAN"
 
 
@@ -253,7 +263,8 @@ def verdict_text(outcomes: list[tuple[str, str, dict, Path]], environment: dict)
                   "reported by this script", f"- errors reported: {outcome['errors']}",
                   f"- offloaded tensors: {outcome['offloaded_tensors']}, reloads in the checked step: "
                   f"{outcome['reloads']} ({outcome['reloads_prefetched']} prefetched); donated outputs: "
-                  f"{outcome['donated_outputs']}",
+                  f"{outcome['donated_outputs']}, written into their inputs in the checked step: "
+                  f"{outcome['donated_writes']}",
                   f"- thunder_memopt warnings: {outcome['memopt_warnings'] or 'none'}", "",
                   "Sanitizer output:", "", "```", outcome["sanitizer_output"].rstrip() or "(nothing)", "```", ""]
     lines.append(f"Verdict: {'CLEAN' if all_clean else 'NOT CLEAN'}")

@@ -345,8 +345,14 @@ def _moved(t: torch.Tensor, device: torch.device | str, stream: torch.cuda.Strea
     pinned = torch.device(device).type == "cpu" and t.is_cuda
     flat = torch.empty(lead + extent, dtype=t.dtype, device=device, pin_memory=pinned)
     source = t.as_strided((extent,), (1,), t.storage_offset())
-    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
-        flat[lead:].copy_(source, non_blocking=stream is not None)
+    if stream is None:
+        flat[lead:].copy_(source)
+    else:
+        # The wait follows the allocation: a reload's block, taken on the current stream, is then
+        # ordered after it there too, not only after the work queued before it.
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            flat[lead:].copy_(source, non_blocking=True)
     return _tensor_over(flat.untyped_storage(), lead, t)
 
 
@@ -429,13 +435,13 @@ def _copied(t: torch.Tensor, to: torch.device | str, device: torch.device
             ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """``_moved(t, to)``, and the event that marks its end. Where ``device`` (the GPU of the copy) is
     a CPU, the copy is made at once (no event). On a GPU it runs on the side stream, which first
-    waits for the current one: a copy to the host waits for its source to be made, a reload for its
-    block, allocated on the current stream, to be free of the work queued there before. Copies to
-    and from the host run in order on the one side stream, so a reload follows its copy to the host."""
+    waits for the current one (``_moved``): a copy to the host waits for its source to be made, a
+    reload for its block, allocated on the current stream, to be free of the work queued there
+    before. Copies to and from the host run in order on the one side stream, so a reload follows its
+    copy to the host."""
     if device.type != "cuda":
         return _moved(t, to, None), None
     side = _side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
     moved = _moved(t, to, side)
     copied = torch.cuda.Event()
     copied.record(side)
