@@ -41,6 +41,9 @@ if "head_gradients" in long_run_driver.SETTABLE:
     # The twin of offload at 1.0, whose loss head also computes its gradients in the backward:
     # where MemoryOptimization has the option.
     DEFAULT_SETTINGS += ("thunder+memopt@1:head_gradients=backward",)
+# Offload's twins in the very same programs: at a host limit of 1 byte no copy is made, and each saved
+# tensor the plan offloads stays on the device (long_run_driver.COPIES_KEPT).
+DEFAULT_SETTINGS += ("thunder+memopt-offload@0:host_memory_limit=1", "thunder+memopt-offload@1:host_memory_limit=1")
 # Without inductor: its C++ backend fails to compile this bf16 model on torch 2.11 (a conflicting
 # declaration in the code it generates).
 CPU_SETTINGS = tuple(spec for spec in DEFAULT_SETTINGS if spec != "inductor")

@@ -18,7 +18,8 @@ another's). A first step compiles with the sanitizer off; the sanitizer checks t
 runs no compiled code under a dispatch mode that does not ignore compile internals, so the
 sanitizer's mode is marked as one that does: the fsdp2 cases run their compiled programs checked,
 not eagerly. A case is CLEAN only where its pass acted in the checked step: reloads for offload,
-region outputs written into their inputs for donate.
+region outputs written into their inputs for donate. ``set_``, which points a tensor at a
+storage and launches no kernel, passes unchecked, as the sanitizer passes ``record_stream`` itself.
 
 The sanitizer sees what goes through PyTorch's dispatcher (copies, matmuls, attention, the
 optimizer, allocations). Inductor's Triton kernels, which the fusion regions launch directly, it
@@ -71,6 +72,10 @@ PROG = "sanitizer_step.py"
 CASES = {"offload": "thunder+memopt-offload", "donate": "thunder+memopt"}
 TIMEOUT_S = 1200
 SANITIZER_LOGGER = "torch.cuda._sanitizer"
+# Ops that point a tensor at memory and launch no kernel. The sanitizer skips record_stream so
+# itself; set_ it would count as a write of the storage on the current stream (offload makes its
+# reloaded tensors over the buffers its side stream fills).
+NO_KERNEL = frozenset(getattr(torch.ops.aten.set_, overload) for overload in torch.ops.aten.set_.overloads())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -111,6 +116,7 @@ class Seen:
     by_stream: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     regions: int = 0
     donated_writes: int = 0  # region outputs written into one of the region's inputs
+    unlaunched: int = 0  # set_ calls, passed through unchecked (NO_KERNEL)
 
 
 def report_region_accesses(seen: Seen) -> contextlib.AbstractContextManager:
@@ -175,9 +181,18 @@ def sanitized(seen: Seen, output: io.StringIO) -> Iterator[None]:
     lines = logging.StreamHandler(output)
     log.addHandler(lines)
     log.setLevel(logging.INFO)
+    dispatch = csan.CUDASanitizerDispatchMode.__torch_dispatch__
+
+    def checked_unless_no_kernel(mode, func, types, args=(), kwargs=None):
+        if func in NO_KERNEL:
+            seen.unlaunched += 1
+            return func(*args, **(kwargs or {}))
+        return dispatch(mode, func, types, args, kwargs)
+
     # Dynamo runs no compiled code under a dispatch mode unless the mode says it ignores compile
     # internals: without this, torch.compile'd steps (distributed mode fsdp2) would run eagerly here.
-    with _patched(csan.CUDASanitizerDispatchMode, "ignore_compile_internals", classmethod(lambda cls: True)):
+    with (_patched(csan.CUDASanitizerDispatchMode, "ignore_compile_internals", classmethod(lambda cls: True)),
+          _patched(csan.CUDASanitizerDispatchMode, "__torch_dispatch__", checked_unless_no_kernel)):
         csan.cuda_sanitizer.enable()
         try:
             with _patched(handler, "_handle_kernel_launch", counted), contextlib.redirect_stderr(output):
@@ -218,7 +233,7 @@ def run_case(payload_file: Path) -> int:
     busiest = max(seen.by_stream.values(), default=0)  # the compute stream's launches
     result = {"status": "ok", "clean": errors is None, "errors": errors or 0, "kernels": seen.kernels,
               "streams": len(seen.by_stream), "side_stream_kernels": seen.kernels - busiest,
-              "regions": seen.regions, "donated_writes": seen.donated_writes, "reloads": activity.reloads, "reloads_prefetched": activity.prefetched,
+              "regions": seen.regions, "donated_writes": seen.donated_writes, "unlaunched": seen.unlaunched, "reloads": activity.reloads, "reloads_prefetched": activity.prefetched,
               "offloaded_tensors": sum(len(plan.offloaded) for plan in memopt.offload_plans),
               "donated_outputs": memopt.donated_outputs, "memopt_warnings": memopt_warnings,
               "sanitizer_output": output.getvalue()}
@@ -260,7 +275,8 @@ def verdict_text(outcomes: list[tuple[str, str, dict, Path]], environment: dict)
             continue
         lines += [f"- the sanitizer checked {outcome['kernels']} kernel launches on {outcome['streams']} streams "
                   f"({outcome['side_stream_kernels']} off the busiest), {outcome['regions']} of them fusion regions "
-                  "reported by this script", f"- errors reported: {outcome['errors']}",
+                  "reported by this script; {outcome['unlaunched']} set_ calls passed unchecked (no kernel)",
+                  f"- errors reported: {outcome['errors']}",
                   f"- offloaded tensors: {outcome['offloaded_tensors']}, reloads in the checked step: "
                   f"{outcome['reloads']} ({outcome['reloads_prefetched']} prefetched); donated outputs: "
                   f"{outcome['donated_outputs']}, written into their inputs in the checked step: "

@@ -161,9 +161,11 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
         passes = {} if options.memopt_passes is None else {"passes": options.memopt_passes}
         keep = {} if offload == "off" or options.offload_keep is None else {"offload_budget": options.offload_keep}
         head = {} if options.head_gradients is None else {"head_gradients": options.head_gradients}
+        host = ({} if offload == "off" or options.host_memory_limit is None
+                else {"host_memory_limit": options.host_memory_limit})
         plan = ({"memory_limit": memory_limit(options.budget)} if fit
                 else {"activation_budget": options.budget})
-        memopt = MemoryOptimization(offload=offload, **plan, **passes, **keep, **head)
+        memopt = MemoryOptimization(offload=offload, **plan, **passes, **keep, **head, **host)
     transforms = [memopt] if memopt is not None else []
     mode = trial.sharding.distributed_mode
     if mode == "fsdp2" or trial.workload.model_source == TRANSFORMERS_SOURCE:
@@ -213,7 +215,7 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
                                       "offload_budget=--offload-keep), which copies to pinned host memory what the "
                                       "budget does not keep on the GPU; its loss head recomputes the logits in the "
                                       "backward at any budget",
-            thunder=True, own_fields=("memopt_passes", "fusion", "offload_keep", "head_gradients"),
+            thunder=True, own_fields=("memopt_passes", "fusion", "offload_keep", "head_gradients", "host_memory_limit"),
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True,
                                       offload="budget"),
             budgets=Budgets("--offload-budget", (0.0,),
@@ -275,8 +277,14 @@ def _head_gradients(row: Mapping[str, Any]) -> str | None:
     return None if where is None else f"head gradients in {where}"
 
 
+def _host_limit(row: Mapping[str, Any]) -> str | None:
+    limit = row.get("host_memory_limit")
+    return None if limit is None else f"host limit {limit} B"
+
+
 OPTION_TAGS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {
-    "memopt_passes": _passes, "fusion": execution, "offload_keep": _keep, "head_gradients": _head_gradients}
+    "memopt_passes": _passes, "fusion": execution, "offload_keep": _keep, "head_gradients": _head_gradients,
+    "host_memory_limit": _host_limit}
 
 
 def tags(row: Mapping[str, Any]) -> tuple[str, ...]:
@@ -309,6 +317,8 @@ def describe_trial(trial: Trial) -> str:
         options += f" keep={compilation.offload_keep:g}"
     if "head_gradients" in own and compilation.head_gradients is not None:
         options += f" head_gradients={compilation.head_gradients}"
+    if "host_memory_limit" in own and compilation.host_memory_limit is not None:
+        options += f" host_memory_limit={compilation.host_memory_limit}"
     if numerics.autocast:
         options += " autocast"
     if numerics.loss_mode != "in-graph":

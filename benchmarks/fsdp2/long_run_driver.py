@@ -45,6 +45,10 @@ OFFLOAD_TWINS = {"thunder+memopt-offload": "thunder+memopt"}
 # With offload the loss head computes its gradients in the backward at any budget; without, at
 # budget 1.0 in the forward unless the setting asks for the backward: such a setting is a twin too.
 HEAD_IN_BACKWARD = ("head_gradients", "backward")
+# An offload setting's twin in the same compiled programs: at a host limit of 1 byte the executor
+# makes no copy and keeps each offloaded tensor on the device (executors/offload.py), so the pair
+# differs in the round trip through host memory alone.
+COPIES_KEPT = ("host_memory_limit", 1)
 SPEC = "BACKEND[@BUDGET][:FIELD=VALUE,...][#N]"
 
 
@@ -129,7 +133,8 @@ def parse_setting(text: str) -> Setting:
 def twin_pairs(settings: list[Setting]) -> list[tuple[Setting, Setting]]:
     """The pairs that must compute the same bits among ``settings``: each offload setting with its
     twins without offload (the same budget and options, offload_keep aside, with or without the loss
-    head's gradients in the backward), and each repeat with the setting's first run."""
+    head's gradients in the backward) and with its copies kept on the device (``COPIES_KEPT``), and
+    each repeat with the setting's first run."""
     listed = set(settings)
     pairs = []
     for setting in settings:
@@ -142,6 +147,10 @@ def twin_pairs(settings: list[Setting]) -> list[tuple[Setting, Setting]]:
                 twin = Setting(twin_backend, setting.budget, options, setting.run)
                 if twin in listed:
                     pairs.append((setting, twin))
+            if not any(field == COPIES_KEPT[0] for field, _ in setting.overrides):
+                kept = dataclasses.replace(setting, overrides=tuple(sorted({*setting.overrides, COPIES_KEPT})))
+                if kept in listed:
+                    pairs.append((setting, kept))
     return pairs
 
 

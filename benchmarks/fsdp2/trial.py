@@ -104,6 +104,9 @@ class Compilation:
     offload_keep: float | None = None
     # thunder+memopt and -offload: MemoryOptimization(head_gradients=...); None: as the budget sets it.
     head_gradients: str | None = None
+    # thunder+memopt-offload: MemoryOptimization(host_memory_limit=...) in bytes; None: "auto". At 1 no
+    # copy is made: every saved tensor the plan offloads stays on the device, in the same program.
+    host_memory_limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
