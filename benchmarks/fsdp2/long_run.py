@@ -88,8 +88,10 @@ class RunSpec:
     trial: Trial
     steps: int
     schedule: Schedule
-    # torch.use_deterministic_algorithms: kernels that repeat their bits (warn_only: an op without
-    # such a kernel keeps its own and warns in the log), so that a pair can be bit-identical at all.
+    # torch.use_deterministic_algorithms(True): kernels that repeat their bits, so that a pair can be
+    # bit-identical at all. Not warn_only: under it cuDNN attention's backward only warns and keeps its
+    # non-deterministic algorithm; an op with no deterministic kernel raises, and its setting fails
+    # saying which.
     deterministic: bool = True
 
     def to_json(self) -> dict[str, Any]:
@@ -242,7 +244,7 @@ def run(run_file: Path) -> int:
     if spec.deterministic:
         # cuBLAS reads it when it makes its first handle; without it, deterministic mode refuses cuBLAS.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True)
     rank, device = worker.init_distributed(spec.trial)
     memopt_warnings = worker.recording_memopt_warnings()
     with worker.reporting_failure(out_dir, rank, phase="train"):
