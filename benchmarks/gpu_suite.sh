@@ -84,7 +84,7 @@
 #                   eager-ac, inductor (budget 1.0, torch's default), inductor-budget at 0.75, 0.5, 0.25 and 0.0,
 #                   thunder, thunder+fusion, thunder+memopt at 1.0, 0.75, 0.5, 0.25 and 0.0, and
 #                   thunder+memopt-offload at 1.0 and 0.0: memory against step time (benchmarks/make_pareto.py)
-#   long-run        one GPU, FSDP2 with one rank: 500 steps of stablecode 8 layers at T=4096 on real text, six
+#   long-run        one GPU, FSDP2 with one rank: 500 steps of stablecode 8 layers at T=4096 on real text, ten
 #                   settings (benchmarks/long_run.py: loss curves, offload against its unoffloaded twin bit for bit)
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
