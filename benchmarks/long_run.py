@@ -5,8 +5,9 @@ show that nothing drifts, overflows or loses a bit over hundreds of steps (issue
     python benchmarks/long_run.py --steps 20       # on CPU: a narrowed model (n_embd 128, 2 layers, T=128)
 
 Every setting trains the same weights on the same batches of the Python standard library's source
-bytes (vocabulary 256, padded as litgpt pads), with AdamW, a linear warm-up and a constant or cosine
-learning rate, each in a fresh torchrun (FSDP2 with one rank by default). It writes every step's
+bytes (vocabulary 256, padded as litgpt pads), with the cross-entropy on fp32 logits inside the
+compiled model (--loss-mode), AdamW, a linear warm-up and a constant or cosine learning rate, each in
+a fresh torchrun (FSDP2 with one rank by default). It writes every step's
 loss per setting to --out (JSON lines), a plot, and a report (--report), and prints a progress line
 every --progress-every steps. The report holds each setting's mean loss over the last --tail-steps
 steps against eager's, any NaN or inf step, and, for the pairs that must compute the same bits
@@ -29,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.fsdp2, thunder_memopt
 
 from benchmarks.fsdp2 import driver, long_run, long_run_driver, long_run_report  # noqa: E402
-from benchmarks.fsdp2.trial import (OPTIMIZERS, SHARD_MODES, Compilation, Measurement, Numerics, Sharding,  # noqa: E402
+from benchmarks.fsdp2.trial import (IN_GRAPH_LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation, Measurement, Numerics, Sharding,  # noqa: E402
                                     Trial, Workload)
 from thunder_memopt.arguments import (fraction, litgpt_model_name, narrow_width, non_negative_int,  # noqa: E402
                                       positive_float, positive_int)
@@ -76,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                        help="sequences per rank and step (default: %(default)s)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                        help="parameters and compute (default: %(default)s)")
+    model.add_argument("--loss-mode", choices=IN_GRAPH_LOSS_MODES, default="in-graph-fp32",
+                       help="the cross-entropy inside the compiled model, on logits.float() (in-graph-fp32, the "
+                            "default) or on the model's dtype (in-graph). MemoryOptimization's fused head computes "
+                            "the fp32 loss of the model-dtype logits in either case, so in-graph-fp32 gives eager "
+                            "the same loss and compares like with like")
     model.add_argument("--seed", type=int, default=0,
                        help="the weights and the order of the batches (default: %(default)s)")
 
@@ -170,7 +176,8 @@ def template_trial(args: argparse.Namespace) -> Trial:
     return Trial(
         workload=Workload(model=args.model_name, n_layer=args.n_layer, n_embd=width, narrowed=args.n_embd is not None,
                           block_size=args.block_size, micro_batch_size=args.micro_batch_size, seed=args.seed),
-        numerics=Numerics(dtype=str(DTYPES[args.dtype]).removeprefix("torch."), optimizer=args.optimizer),
+        numerics=Numerics(dtype=str(DTYPES[args.dtype]).removeprefix("torch."), loss_mode=args.loss_mode,
+                          optimizer=args.optimizer),
         sharding=Sharding(distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,
                           world_size=1 if args.distributed_mode == "none" else args.nproc_per_node),
         compilation=Compilation(backend="eager", fusion=args.fusion),

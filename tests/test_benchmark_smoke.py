@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPOSITORY))
 
 from benchmarks.fsdp2 import backends, driver, plots, profiling, search, tables, tables_cli, worker  # noqa: E402
 from benchmarks.fsdp2.trial import (  # noqa: E402
-    HOST_MEMORY_FIELDS, LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding, Trial, Workload,
-    load_rows)
+    HOST_MEMORY_FIELDS, IN_GRAPH_LOSS_MODES, LOSS_MODES, MEMORY_FIELDS, Compilation, Measurement, Numerics, Sharding,
+    Trial, Workload, load_rows)
 
 SMOKE_BACKENDS = ("eager", "thunder", "thunder+memopt")
 REQUIRED_KEYS = {
@@ -265,7 +265,8 @@ def test_resume_takes_rows_written_before_later_options():
 @pytest.mark.parametrize("backend", ["eager", "thunder"])
 def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
     """--loss-mode litgpt and outside-fp32 compute the cross-entropy after the compiled model and
-    keep its logits alive with the loss, as a litgpt training loop's variable does."""
+    keep its logits alive with the loss, as a litgpt training loop's variable does; in-graph-fp32
+    computes outside-fp32's loss inside the module."""
     import torch
 
     from thunder_memopt.models import build_model, narrow_config, random_batch
@@ -280,10 +281,13 @@ def test_loss_modes_agree_and_a_loss_after_the_model_holds_the_logits(backend):
         loss = training.forward(input_ids, targets)
         loss.backward()
         losses[loss_mode] = loss.item()
-        if loss_mode != "in-graph":
+        if loss_mode not in IN_GRAPH_LOSS_MODES:
             assert loss.logits.shape == (1, 64, config.padded_vocab_size)
     assert losses["litgpt"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
     assert losses["outside-fp32"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
+    assert losses["in-graph-fp32"] == pytest.approx(losses["in-graph"], rel=BF16_LOSS_RTOL)
+    if backend == "eager":  # the same ops, inside the module or after it
+        assert losses["in-graph-fp32"] == losses["outside-fp32"]
 
 
 def test_optimizer_flag_picks_adamws_implementation_and_both_take_the_same_step():

@@ -114,17 +114,18 @@ class HeadWithLoss(torch.nn.Module):
     Under torch.compile every FSDP2 unit (each Block) breaks the graph, and a graph break inside a
     call splits its caller's frame too: the head would end the GPT's last graph and the loss start
     another, and no compiler could fuse the two. Here they are one graph. (Only without final
-    soft-capping, which litgpt applies after its head.)
+    soft-capping, which litgpt applies after its head.) ``upcast_logits`` as GPTWithLoss's.
     """
 
-    def __init__(self, gpt: torch.nn.Module) -> None:
+    def __init__(self, gpt: torch.nn.Module, *, upcast_logits: bool = False) -> None:
         super().__init__()
         self.head = gpt.lm_head
         gpt.lm_head = torch.nn.Identity()
         self.gpt = gpt
+        self.upcast_logits = upcast_logits
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(self.head(self.gpt(input_ids)), targets)
+        return next_token_loss(self.head(self.gpt(input_ids)), targets, upcast_logits=self.upcast_logits)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, *, upcast_logits: bool = False) -> torch.Tensor:

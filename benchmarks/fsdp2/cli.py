@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     model.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per rank and step")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameters and compute")
     model.add_argument("--loss-mode", choices=LOSS_MODES, default="in-graph",
-                       help="in-graph: the cross-entropy inside the compiled module (default); after it, in eager, "
+                       help="in-graph: the cross-entropy inside the compiled module (default), or in-graph-fp32 "
+                            "there on logits.float(); after it, in eager, "
                             "with the logits held through the step as a training loop holds them: litgpt "
                             "(litgpt's chunked_cross_entropy) or outside-fp32 (cross_entropy of logits.float())")
     model.add_argument("--optimizer", choices=OPTIMIZERS, default="foreach",

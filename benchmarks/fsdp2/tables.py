@@ -87,7 +87,8 @@ def number(value: float | None, spec: str, scale: float = 1.0) -> str:
 def heading(row: dict) -> str:
     autocast = " + bf16 autocast" if row.get("autocast") else ""
     loss_mode = field_value(row, "loss_mode")
-    loss = "" if loss_mode == FIELD_DEFAULTS["loss_mode"] else f", loss {loss_mode} (after the compiled model)"
+    loss = ("" if loss_mode == FIELD_DEFAULTS["loss_mode"] else ", loss on fp32 logits" if loss_mode == "in-graph-fp32"
+            else f", loss {loss_mode} (after the compiled model)")
     optimizer = field_value(row, "optimizer")
     adamw = "" if optimizer == FIELD_DEFAULTS["optimizer"] else f", AdamW {optimizer}"
     if row["distributed_mode"] == "fsdp2" and field_value(row, "head_unit") == "own":

@@ -20,7 +20,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-LOSS_MODES = ("in-graph", "litgpt", "outside-fp32")
+# Where the loss runs: in the compiled module on the logits in the model's dtype (in-graph) or upcast
+# (in-graph-fp32), or after it, in eager (IN_GRAPH_LOSS_MODES holds the first two).
+LOSS_MODES = ("in-graph", "in-graph-fp32", "litgpt", "outside-fp32")
+IN_GRAPH_LOSS_MODES = ("in-graph", "in-graph-fp32")
 # AdamW's implementations: foreach (torch's default on CUDA) allocates, in its step, a temporary the size
 # of all parameters (the square root of the second moments); fused (torchtitan's default) none.
 OPTIMIZERS = ("foreach", "fused")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from benchmarks.fsdp2 import fit_rows, hf_models, profiling, simulation, step_model
 from benchmarks.fsdp2.backends import BACKENDS, Compiled
-from benchmarks.fsdp2.trial import TRANSFORMERS_SOURCE, MemoryPeaks, SavedActivations, StepTimes, Trial
+from benchmarks.fsdp2.trial import IN_GRAPH_LOSS_MODES, TRANSFORMERS_SOURCE, MemoryPeaks, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, HeadWithLoss, build_model, narrow_config, next_token_loss,
                                    random_batch, training_step)
 from thunder_memopt.executors import offload as offload_executor
@@ -147,12 +147,13 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
         compiled = backend.compile(gpt, trial, device)
         return training_of(compiled, hf_models.loss_from_labels(compiled.forward), fsdp_root, trial, device)
     head_in_root = trial.sharding.head_unit == "root" and gpt.config.final_logit_softcapping is None
-    if loss_mode != "in-graph":
+    upcast_logits = loss_mode == "in-graph-fp32"
+    if loss_mode not in IN_GRAPH_LOSS_MODES:
         module = gpt
     elif distributed_mode == "fsdp2" and head_in_root:
-        module = HeadWithLoss(gpt)
+        module = HeadWithLoss(gpt, upcast_logits=upcast_logits)
     else:
-        module = GPTWithLoss(gpt)
+        module = GPTWithLoss(gpt, upcast_logits=upcast_logits)
     fsdp_root = shard_with_fsdp2(gpt, module, trial) if distributed_mode == "fsdp2" else None
     if trial.sharding.simulated:  # built on the meta device: rank 0's shards get memory now
         simulation.materialize_shards(module, device, trial.workload.seed)
@@ -170,11 +171,12 @@ def training_of(compiled: Compiled, forward: Callable[[torch.Tensor, torch.Tenso
 
 
 def with_loss(compiled: Callable, loss_mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """(input_ids, targets) -> loss. ``in-graph``: ``compiled`` is GPTWithLoss and returns the loss.
+    """(input_ids, targets) -> loss. In IN_GRAPH_LOSS_MODES ``compiled`` is GPTWithLoss (or
+    HeadWithLoss) and returns the loss.
     Otherwise ``compiled`` returns the logits and the loss is computed after it, in eager, as a
     litgpt training loop does; the logits stay alive until the loss is dropped, as the loop's
     variable does through backward and the optimizer step."""
-    if loss_mode == "in-graph":
+    if loss_mode in IN_GRAPH_LOSS_MODES:
         return compiled
     from litgpt.utils import chunked_cross_entropy
 

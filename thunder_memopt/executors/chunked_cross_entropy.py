@@ -153,6 +153,21 @@ def _spans(total: int, step: int) -> list[tuple[int, int]]:
     return [(start, min(total, start + step)) for start in range(0, total, step)]
 
 
+def _accumulate_product_(total, a, b):
+    """``total += a @ b`` for an fp32 ``total`` and model-dtype ``a`` and ``b``. On CUDA one matmul
+    accumulates into ``total`` in fp32 (cuBLAS with beta 1), rounding the product never; elsewhere
+    the product is made in the model's dtype and upcast, two temporaries of ``total``'s shape."""
+    if total.device.type == "cuda":
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total += (a @ b).float()
+
+
+def _accumulation_temporary_bytes(device, dtype) -> int:
+    """Bytes per element of _accumulate_product_'s temporaries, beside its accumulator."""
+    return 0 if device.type == "cuda" else 4 + dtype.bytes
+
+
 def _chunk_logits(hidden, weight, bias, rows: slice, columns: slice = slice(None)):
     """One chunk's logits, dense, by its own matmul."""
     return torch.nn.functional.linear(hidden[rows], weight[columns], None if bias is None else bias[columns])
@@ -246,7 +261,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
             del logits_chunk
             if logits_grad is not None:
                 g += logits_grad[:, columns]
-            grad_hidden += (g @ w).float()
+            _accumulate_product_(grad_hidden, g, w)
             if grad_weight is not None:
                 grad_weight[start:stop] = g.t() @ hidden
             if grad_bias is not None:
@@ -265,7 +280,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
             g += logits_grad[rows]
         grad_hidden[start:stop] = g @ weight
         if grad_weight is not None:
-            grad_weight += (g.t() @ h).float()
+            _accumulate_product_(grad_weight, g.t(), h)
         if grad_bias is not None:
             grad_bias += g.float().sum(0)
     return (
@@ -522,7 +537,7 @@ def _backward_workspace(bsym) -> int:
         rows, columns, accumulator = min(chunk, n), vocab, vocab * width
     logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes  # a chunk's
     return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, gradient=True)
-            + accumulator * (4 + 4 + hidden.dtype.bytes))
+            + accumulator * (4 + _accumulation_temporary_bytes(hidden.device, hidden.dtype)))
 
 
 def _functions_called(bsym) -> list:
