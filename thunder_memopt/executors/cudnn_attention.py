@@ -8,13 +8,17 @@ need neither.
 
 The checker claims only what cuDNN serves: CUDA tensors of one dtype, fp16 or bf16, 4-d, with equal
 batch, heads and head size (a multiple of 8, at most 128), no mask and no dropout. Everything else
-falls through to the next executor in the list (Thunder's sdpa executor). The forward saves what
+falls through to the next executor in the list (Thunder's sdpa executor). So does everything under
+``torch.use_deterministic_algorithms(True)``, with one warning: there torch 2.11's cuDNN backward
+still does not repeat its bits (benchmarks/results/determinism_h200.md), where flash's does. The forward saves what
 flash saves (q, k, v, the output, the log-sum-exp and the RNG seed and offset), and its symbols
 are named as attention, so the recompute pass prices them as attention: replayed only below
 budget 1.0.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import thunder.core.dtypes as dtypes
@@ -50,7 +54,14 @@ def cudnn_supports(query, key, value, attn_mask=None, dropout_p: float = 0.0, is
     (b, h, _, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = (tuple(t.shape) for t in tensors)
     if not (b == bk == bv and h == hk == hv and sk == sv and d == dk == dv):
         return False
-    return d % 8 == 0 and d <= MAX_HEAD_SIZE
+    if d % 8 or d > MAX_HEAD_SIZE:
+        return False
+    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+        # A different kernel, so said; with warn_only torch keeps cuDNN and warns itself.
+        warnings.warn("thunder_memopt: attention runs on Thunder's sdpa executor (flash), not cuDNN, under "
+                      "torch.use_deterministic_algorithms(True): cuDNN's backward does not repeat its bits")
+        return False
+    return True
 
 
 def _forward_meta(query: TensorProxy, key: TensorProxy, value: TensorProxy, is_causal: bool, scale: float | None):
