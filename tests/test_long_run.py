@@ -106,6 +106,16 @@ def test_the_curves_are_compared_with_eager_and_plotted(finished):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_make_table_over_a_glob_with_the_long_runs_file_tables_only_the_benchmarks_rows(finished, capsys):
+    from benchmarks.fsdp2 import tables_cli
+
+    benchmark_rows = REPOSITORY / "benchmarks" / "results" / "hf_qwen2_5_7b_4l_zero2_1xH200_T8192.jsonl"
+    tables_cli.main([str(finished[2]), str(benchmark_rows)])
+    table = capsys.readouterr().out
+    assert "Qwen2.5-7B" in table and "| 8192 | thunder+memopt @1 | ok |" in table
+    assert "long_run" not in table and "eager [seed=1]" not in table
+
+
 def test_batches_are_the_same_for_one_seed_and_differ_for_another():
     corpus = long_run.Corpus.read()
     assert corpus.files == len(long_run.stdlib_sources()) and len(corpus.data) > 10**6

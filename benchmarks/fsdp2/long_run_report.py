@@ -168,8 +168,9 @@ def pair_outcome(pair: PairCheck) -> str:
 
 def markdown(verdict: Verdict) -> str:
     """The verdict as markdown: a table of the settings, then one line per pair."""
-    reference = verdict.reference or "no reference"
-    lines = [f"Mean loss over the last {verdict.tail} steps against {reference}'s (within {verdict.rtol:g} relative):",
+    against = (f"against {verdict.reference}'s (within {verdict.rtol:g} relative)" if verdict.reference
+               else "(no reference setting among these)")
+    lines = [f"Mean loss over the last {verdict.tail} steps {against}:",
              "", "| setting | status | steps | NaN/inf steps | mean loss, last steps | relative difference | ok |",
              "|---|---|---|---|---|---|---|"]
     for check in verdict.settings:

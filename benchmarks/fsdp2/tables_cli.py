@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.fsdp2 import backends, plots, tables, validation
-from benchmarks.fsdp2.trial import load_rows
+from benchmarks.fsdp2.trial import RUN_ROW, SEARCH_ROW, load_rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="each simulated row's peaks and step against the real row of the same setup "
                              "(give both files)")
     args = parser.parse_args(argv)
-    rows = tables.latest(load_rows(args.results))
+    # The long run's files (benchmarks/long_run.py) may be among the globbed ones: their rows are not tables'.
+    rows = tables.latest([row for row in load_rows(args.results) if row.get("row_type") in (RUN_ROW, SEARCH_ROW)])
     if args.latest_code:
         rows = [row for row in rows if tables.written_by_current_code(row)]
     if args.simulation_error:
