@@ -113,8 +113,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                                "(default: %(default)s)")
     settings.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                           help="torch.use_deterministic_algorithms(True) on every rank, so that settings can "
-                               "repeat their bits: on CUDA some kernels (cuDNN attention's backward among them) "
-                               "otherwise accumulate with atomics; an op with no deterministic kernel fails its "
+                               "repeat their bits: on CUDA some kernels otherwise accumulate with atomics; attention "
+                               "takes flash, not cuDNN, and an op with no deterministic kernel fails its "
                                "setting (default: on)")
     settings.add_argument("--distributed-mode", choices=("fsdp2", "none"), default="fsdp2",
                           help="FSDP2 (fully_shard) or one device (default: %(default)s)")

@@ -89,9 +89,9 @@ class RunSpec:
     steps: int
     schedule: Schedule
     # torch.use_deterministic_algorithms(True): kernels that repeat their bits, so that a pair can be
-    # bit-identical at all. Not warn_only: under it cuDNN attention's backward only warns and keeps its
-    # non-deterministic algorithm; an op with no deterministic kernel raises, and its setting fails
-    # saying which.
+    # bit-identical at all (thunder_memopt's cuDNN attention declines in this mode: its backward does
+    # not repeat its bits). Not warn_only: an op with no deterministic kernel raises, and its setting
+    # fails saying which.
     deterministic: bool = True
 
     def to_json(self) -> dict[str, Any]:
