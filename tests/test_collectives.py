@@ -1,8 +1,9 @@
 """Collective-aware frees: thunder fsdp ZERO2/ZERO3 and FSDP2 under ThunderCompiler, 2 CPU gloo processes;
 litgpt models, and a transformers one under FSDP2.
 
-Each worker under tests/dist/ runs the untransformed and the transformed step in one torchrun job
-and writes what it saw to JSON; these tests assert on it and print the estimated peaks.
+Each worker under tests/dist/ runs the untransformed and the transformed step and reports what it
+saw; tests/dist/collectives_worker.py runs the three in one torchrun job and writes their reports to
+JSON; these tests assert on them and print the estimated peaks.
 """
 
 from __future__ import annotations
@@ -32,14 +33,20 @@ def _torchrun(script: str, tmp_path: Path) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(DIST / script), str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def thunder_fsdp(tmp_path_factory) -> dict:
-    return _torchrun("thunder_fsdp_worker.py", tmp_path_factory.mktemp("thunder_fsdp"))
+def reports(tmp_path_factory) -> dict:
+    """Each worker's report, from one torchrun job (the processes' start and imports cost seconds)."""
+    return _torchrun("collectives_worker.py", tmp_path_factory.mktemp("collectives"))
+
+
+@pytest.fixture(scope="module")
+def thunder_fsdp(reports) -> dict:
+    return reports["thunder_fsdp"]
 
 
 @pytest.mark.parametrize("strategy", ["ZERO2", "ZERO3"])
@@ -90,8 +97,8 @@ def test_thunder_fsdp_report_peaks(thunder_fsdp):
 
 
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory) -> dict:
-    return _torchrun("fsdp2_worker.py", tmp_path_factory.mktemp("fsdp2"))
+def fsdp2(reports) -> dict:
+    return reports["fsdp2"]
 
 
 @pytest.mark.parametrize("mode", ["zero2", "zero3", "zero3_hooks_traced"])
@@ -153,9 +160,9 @@ def test_functional_collectives_are_kept_out_of_thunder():
 
 
 @pytest.fixture(scope="module")
-def hf_fsdp2(tmp_path_factory) -> dict:
+def hf_fsdp2(reports) -> dict:
     pytest.importorskip("transformers")
-    return _torchrun("hf_fsdp2_worker.py", tmp_path_factory.mktemp("hf_fsdp2"))
+    return reports["hf_fsdp2"]
 
 
 def test_fsdp2_transformers_training_is_bit_identical_to_plain_thundercompiler_and_saves_less(hf_fsdp2):

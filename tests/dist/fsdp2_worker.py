@@ -1,14 +1,15 @@
 """torchrun worker: FSDP2 (``fully_shard`` per Block) under thunderfx_backend, against eager FSDP2
-and against plain ThunderCompiler (the same run without MemoryOptimization), and with offload
-against without it.
+and against plain ThunderCompiler (the same run without MemoryOptimization), and, for zero2 and
+zero3, with offload against without it.
 
 Runs zero2 and zero3 (``reshard_after_forward`` False/True) with dynamo skipping FSDP hooks, zero3
 with ``skip_fsdp_hooks=False``, where functional collectives reach the backend, and zero3 under
 ``torch.autocast(bf16)`` over fp32 parameters, where the trace casts weights. Then a module that
 calls a functional all-reduce in its forward, so that ``wait_tensor`` reaches the backend for
-certain (FSDP2 in torch 2.11 does not put its collectives in the dynamo graph on gloo). Writes, from rank 0,
-losses, the largest sharded-gradient differences, the number of collective nodes the backend kept
-out of Thunder and the parameter-derived tensors each variant saves for backward to argv[1].
+certain (FSDP2 in torch 2.11 does not put its collectives in the dynamo graph on gloo). ``report``
+gives (rank 0 writes it to argv[1] when run on its own) losses, the largest sharded-gradient
+differences, the number of collective nodes the backend kept out of Thunder and the
+parameter-derived tensors each variant saves for backward.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from thunder_memopt.models import build_model, narrow_config, random_batch
 CONFIG = narrow_config("pythia-14m", n_layer=2, n_embd=256, block_size=128)
 # Compute far slower than the copies, so that the narrowed model's copies hide behind it.
 RATES = DeviceRates(to_host=50e9, to_device=50e9, flops=1e9, memory=1e9)
-offload_pass.MIN_BYTES = 1  # the narrowed model's saved tensors are smaller than a real one's
 
 
 def step(reshard: bool, backend: str, autocast: bool = False):
@@ -128,26 +128,49 @@ def count_hidden_collectives() -> list[int]:
     return counts
 
 
-def main(path: str) -> None:
-    dist.init_process_group("gloo")
+def report() -> dict:
+    """Every variant's steps, compared (the process group initialized). The offload pass's size floor,
+    dynamo's FSDP hook setting and the backend's collective guard are set for it and restored."""
+    saved_settings = offload_pass.MIN_BYTES, torch._dynamo.config.skip_fsdp_hooks, keep_collectives_out_of_thunder
+    offload_pass.MIN_BYTES = 1  # the narrowed model's saved tensors are smaller than a real one's
+    try:
+        return _compare_variants()
+    finally:
+        (offload_pass.MIN_BYTES, torch._dynamo.config.skip_fsdp_hooks,
+         backend_module.keep_collectives_out_of_thunder) = saved_settings
+
+
+# name, reshard_after_forward, skip_fsdp_hooks, autocast, and whether the step runs again with
+# offload (the tests compare offload in the two sharding modes).
+VARIANTS = (
+    ("zero2", False, True, False, True),
+    ("zero3", True, True, False, True),
+    ("zero3_hooks_traced", True, False, False, False),
+    ("zero3_autocast", True, True, True, False),
+)
+
+
+def offload_against_memopt(reshard: bool, autocast: bool, memopt_grads: dict[str, torch.Tensor]) -> dict:
+    """The step again with offload: its loss, its gradients' difference from the memopt step's, and
+    how many tensors it offloaded."""
+    loss, grads, compiler = step(reshard, "memopt_offload", autocast)
+    return {
+        "offloaded_loss": loss,
+        "max_grad_diff_offloaded_vs_memopt": max_grad_diff(memopt_grads, grads),
+        "offloaded_tensors": sum(len(plan.offloaded) for plan in compiler.memory_optimization.offload_plans),
+    }
+
+
+def _compare_variants() -> dict:
     results = {}
-    variants = (
-        ("zero2", False, True, False),
-        ("zero3", True, True, False),
-        ("zero3_hooks_traced", True, False, False),
-        ("zero3_autocast", True, True, True),
-    )
-    for name, reshard, skip_hooks, autocast in variants:
+    for name, reshard, skip_hooks, autocast, offload in VARIANTS:
         torch._dynamo.config.skip_fsdp_hooks = skip_hooks
         ref_loss, ref_grads, _ = step(reshard, "eager", autocast)
         plain_loss, plain_grads, plain = step(reshard, "thunder", autocast)
         counts = count_hidden_collectives()
         loss, grads, memopt = step(reshard, "memopt", autocast)
-        offloaded_loss, offloaded_grads, offloaded = step(reshard, "memopt_offload", autocast)
-        results[name] = {
-            "offloaded_loss": offloaded_loss,
-            "max_grad_diff_offloaded_vs_memopt": max_grad_diff(grads, offloaded_grads),
-            "offloaded_tensors": sum(len(plan.offloaded) for plan in offloaded.memory_optimization.offload_plans),
+        results[name] = offload_against_memopt(reshard, autocast, grads) if offload else {}
+        results[name] |= {
             "ref_loss": ref_loss,
             "plain_loss": plain_loss,
             "loss": loss,
@@ -163,7 +186,12 @@ def main(path: str) -> None:
         backend: functional_collective_step(backend) for backend in ("eager", "memopt")
     }
     results["functional_all_reduce"]["collectives_kept_out"] = sum(counts)
-    finish(path, results)
+    return results
+
+
+def main(path: str) -> None:
+    dist.init_process_group("gloo")
+    finish(path, report())
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@ decoder layer and on the root, as transformers models are sharded, called as
 ``model(input_ids=x, labels=x)``: three AdamW steps under plain ThunderCompiler and under
 thunderfx_backend with fusion off and cuDNN attention asked for (so that the causal-mask pass runs).
 
-Writes, from rank 0, to argv[1]: each backend's losses, the largest difference of the sharded
-parameters after the steps (over every rank), the bytes rank 0 saves for backward in the last step,
-and how the step compiles: dynamo graphs, Thunder regions, and attentions whose mask the pass
-proved causal.
+``report`` gives (rank 0 writes it to argv[1] when run on its own) each backend's losses, the
+largest difference of the sharded parameters after the steps (over every rank), the bytes rank 0
+saves for backward in the last step, and how the step compiles: dynamo graphs, Thunder regions, and
+attentions whose mask the pass proved causal.
 """
 
 from __future__ import annotations
@@ -52,13 +52,18 @@ def train(backend) -> dict:
     }
 
 
-def main(path: str) -> None:
-    dist.init_process_group("gloo")
+def report() -> dict:
+    """Both backends' training, compared (the process group initialized)."""
     results = {name: train(backend) for name, backend in (
         ("plain", ThunderCompiler()), ("memopt", thunderfx_backend(fusion=False, cudnn_attention=True)))}
-    report = {name: {k: v for k, v in r.items() if k != "parameters"} for name, r in results.items()}
-    report["max_parameter_diff"] = max_grad_diff(results["plain"]["parameters"], results["memopt"]["parameters"])
-    finish(path, report)
+    compared = {name: {k: v for k, v in r.items() if k != "parameters"} for name, r in results.items()}
+    compared["max_parameter_diff"] = max_grad_diff(results["plain"]["parameters"], results["memopt"]["parameters"])
+    return compared
+
+
+def main(path: str) -> None:
+    dist.init_process_group("gloo")
+    finish(path, report())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """torchrun worker: thunder fsdp (ZERO2, ZERO3) with and without MemoryOptimization's collectives pass.
 
-Writes, from rank 0, a JSON of losses, the largest sharded-gradient difference (gathered from every
-rank), trace facts and estimated peaks to the path given as argv[1]. tests/test_collectives.py
-asserts on it.
+``report`` gives, for each strategy, losses, the largest sharded-gradient difference (gathered from
+every rank), trace facts and estimated peaks; run on its own, rank 0 writes them as JSON to the path
+given as argv[1]. tests/test_collectives.py asserts on them (through collectives_worker.py).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def saved_unsharded(fw) -> list[str]:
     return [t.name for t in saved_for_backward(fw).tensors if infos[t.name].storage in gathered]
 
 
-def main(path: str) -> None:
-    dist.init_process_group("gloo")
+def report() -> dict:
+    """What each strategy's step did, without and with MemoryOptimization (the process group initialized)."""
     results = {}
     for strategy in (FSDPType.ZERO2, FSDPType.ZERO3):
         ref_loss, ref_grads, ref_fw, ref_bw = run(strategy, [])
@@ -89,7 +89,12 @@ def main(path: str) -> None:
                 for name, t in (("ref_fw", ref_fw), ("fw", fw), ("ref_bw", ref_bw), ("bw", bw))
             },
         }
-    finish(path, results)
+    return results
+
+
+def main(path: str) -> None:
+    dist.init_process_group("gloo")
+    finish(path, report())
 
 
 if __name__ == "__main__":
