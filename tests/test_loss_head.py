@@ -13,9 +13,11 @@ from _hf import build, symbol_names, tokens
 from _train import assert_same_numerics, Step
 from thunder_memopt import PASSES, MemoryOptimization, executors, thunderfx_backend
 from thunder_memopt.core.memory import estimate_step
+from thunder_memopt.core.ops import FUSED_LOSS_HEAD_FORWARDS
 from thunder_memopt.executors import linear_cross_entropy
 from thunder_memopt.measure import measure_saved, peak_live_bytes
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
+from thunder_memopt.passes import recompute
 
 STABLECODE = "stablecode-completion-alpha-3b"
 LLAMA = "Llama-3-8B"
@@ -136,6 +138,24 @@ def _assert_close_grads(step, reference, bound):
         error = (step.grads[name].float() - grad.float()).norm() / grad.float().norm()
         assert error <= bound, (name, error.item())
 
+
+
+
+def test_no_rung_of_the_ladder_replays_the_heads_forward():
+    # transformers' model returns the logits, so its head makes them whole. What the head saves is
+    # the log-sum-exp (4 bytes a token), and a replay in the backward would redo the vocabulary
+    # matmul and make the logits whole again there: 2 GiB at Llama-3 and T=8192.
+    import thunder
+
+    model = build("llama", num_hidden_layers=1, vocab_size=512)
+    x = tokens(model, 1, 64)
+    backend = thunderfx_backend(MemoryOptimization(activation_budget=0.5), fusion=False, loss_head=True)
+    torch.compile(model, backend=backend)(input_ids=x, labels=x).loss.backward()
+    forwards = [thunder.last_traces(fn)[-1] for info in backend.compiler.subgraph_infos
+                for fn in info.thunder_compiled_fns if thunder.last_backward_traces(fn)]
+    (head,) = [trace for trace in forwards if _names(trace) & FUSED_LOSS_HEAD_FORWARDS]
+    replayed = {b.sym.name for plan in recompute.plan_ladder(head) for b in plan.replayed}
+    assert replayed and not replayed & FUSED_LOSS_HEAD_FORWARDS, replayed
 
 # Budget 1.0: the gradients in the forward; below it: the logits recomputed in the backward.
 SYMBOLS = {

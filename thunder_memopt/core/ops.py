@@ -112,6 +112,13 @@ FUSED_LOSS_HEAD = frozenset({
     "memopt_linear_cross_entropy_forward_and_logits",
 })
 
+# Its forwards are never replayed: what they save is the log-sum-exp (4 bytes a token), or the
+# gradients that the backward's variant computes with fewer matmuls (head_gradients="backward"), and
+# a replay redoes the vocabulary matmul, the largest of the step, and with the logits as the model's
+# result makes them whole again in the backward (2 GiB at Llama-3, T=8192).
+FUSED_LOSS_HEAD_FORWARDS = FUSED_LOSS_HEAD - {"memopt_linear_cross_entropy_backward",
+                                              "memopt_linear_cross_entropy_scale_gradients"}
+
 _CHEAP = ELEMENTWISE | VIEWS | COPIES | CREATION | NORM_REDUCTIONS
 _EXPENSIVE = MATMULS | ATTENTION | EMBEDDING | SOFTMAX_AND_LOSS | FUSED_LOSS_HEAD
 _KNOWN = _CHEAP | _EXPENSIVE | RANDOM_NAMES | COLLECTIVE_NAMES | SIDE_EFFECT_NAMES
@@ -187,6 +194,8 @@ def op_kind(bsym: BoundSymbol) -> OpKind:
     """Whether a bound symbol may be replayed in the backward, and at which budgets."""
     names, tags = _names(bsym), _tags(bsym)
     if is_random(bsym) or is_collective(bsym) or names & SIDE_EFFECT_NAMES or prims.OpTags.IN_PLACE in tags:
+        return OpKind.NEVER
+    if bsym.sym.name in FUSED_LOSS_HEAD_FORWARDS:
         return OpKind.NEVER
     if any(p for p in bsym.flat_proxy_args if not isinstance(p, TensorProxy)):
         # A number computed in the forward would not exist in the backward.
