@@ -5,7 +5,7 @@ import warnings
 import pytest
 import thunder
 import torch
-from _train import assert_same_numerics, h_bytes_per_layer, shared_train_step, train_step
+from _train import Step, assert_same_numerics, h_bytes_per_layer, shared_train_step, train_step
 
 from thunder_memopt import MemoryOptimization, thunderfx_backend
 from thunder_memopt.core import ops
@@ -23,10 +23,21 @@ ARCHITECTURES = [
 ]
 
 
+# Bit identity holds at any depth: one layer, but two for the models whose two-layer plain steps
+# other tests read anyway (the budget tests below, tests/test_memory.py).
+TWO_LAYER_ARCHITECTURES = {STABLECODE, LLAMA}
+
+
+def _architecture_steps(model_name: str) -> tuple[Step, Step]:
+    """Plain Thunder's step and the recompute pass's, shared by the tests that read them."""
+    n_layer = 2 if model_name in TWO_LAYER_ARCHITECTURES else 1
+    return (shared_train_step(model_name, n_layer=n_layer),
+            shared_train_step(model_name, {"passes": ("recompute",)}, n_layer=n_layer))
+
+
 @pytest.mark.parametrize("model_name", ARCHITECTURES)
 def test_loss_and_gradients_bit_identical_to_plain_thunder(model_name):
-    plain = shared_train_step(model_name)
-    optimized = shared_train_step(model_name, {"passes": ("recompute",)})
+    plain, optimized = _architecture_steps(model_name)
     assert_same_numerics(plain, optimized)
     assert optimized.saved_bytes < plain.saved_bytes
 
@@ -35,7 +46,7 @@ def test_loss_and_gradients_bit_identical_to_plain_thunder(model_name):
 def test_the_taxonomy_names_every_op_of_the_traces(model_name):
     # The steps of the test above: an op the taxonomy does not name fails here rather than being
     # guessed (it would be saved, never replayed, and never fused).
-    for step in (shared_train_step(model_name), shared_train_step(model_name, {"passes": ("recompute",)})):
+    for step in _architecture_steps(model_name):
         for trace in (step.forward_trace, step.backward_trace):
             assert [n for b in trace.bound_symbols if not is_bookkeeping(b) for n in ops.unclassified_names(b)] == []
 
@@ -160,10 +171,11 @@ def test_with_torch_compile_ex_the_step_is_unchanged_and_saves_no_more():
     from thunder.executors.torch_compile import torch_compile_ex
 
     executors = [torch_compile_ex, *thunder.get_default_executors()]
-    plain = train_step(STABLECODE, executors=executors, seq_len=128)
+    # One layer: what is checked holds at any depth.
+    plain = train_step(STABLECODE, executors=executors, n_layer=1, seq_len=128)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = train_step(STABLECODE, [MemoryOptimization()], executors=executors, seq_len=128)
+        step = train_step(STABLECODE, [MemoryOptimization()], executors=executors, n_layer=1, seq_len=128)
     assert not [w for w in caught if "thunder_memopt" in str(w.message)]
     assert any(b.sym.name.startswith("TorchCompile") for b in step.forward_trace.bound_symbols)
     assert_same_numerics(plain, step)
@@ -174,11 +186,11 @@ def test_a_trace_the_pass_cannot_handle_is_left_unchanged_with_one_warning(monke
     def broken(*args, **kwargs):
         raise NotImplementedError("synthetic failure")
 
-    plain = shared_train_step(PYTHIA)
+    plain = shared_train_step(PYTHIA, n_layer=1)  # the bit-identity test's, at any depth the same check
     monkeypatch.setattr(recompute, "plan_ladder", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        optimized = train_step(PYTHIA, [MemoryOptimization()])
+        optimized = train_step(PYTHIA, [MemoryOptimization()], n_layer=1)
     ours = [w for w in caught if "thunder_memopt" in str(w.message)]
     assert len(ours) == 1
     assert_same_numerics(plain, optimized)
