@@ -1,15 +1,17 @@
 """Test order for pytest-xdist: the longest files first.
 
 pytest-xdist runs each file's tests in one worker (--dist loadfile, pyproject.toml), so that a
-file's module fixtures and shared steps (_train.shared_train_step), among them the torchrun jobs
-of test_collectives.py, run once. (--dist loadgroup would group across files, but with pytest 9.2
-it silently does not group: pytest-xdist issue 1386.) Files are handed out in collection order
-(--no-loadscope-reorder); a long file handed out last would run alone at the end while the other
-worker idles, so the longest go first.
+file's module fixtures and shared steps (_train.shared_train_step), among them the torchrun job
+of test_collectives.py, run once. Files that read another file's shared steps go with it
+(SHARES_STEPS_WITH: the scheduler below). (--dist loadgroup would group across files, but with
+pytest 9.2 it silently does not group: pytest-xdist issue 1386.) Files are handed out in
+collection order (--no-loadscope-reorder); a long file handed out last would run alone at the end
+while the other worker idles, so the longest go first.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +39,49 @@ LONGEST_FIRST = (
     "test_examples.py",
     "test_bad_input.py",
 )
+
+
+# A file whose tests read steps that another file's tests compute (stablecode's and Llama's plain
+# and default steps at two layers): its tests run in that file's worker, after that file's.
+SHARES_STEPS_WITH = {"test_memory.py": "test_recompute.py", "test_offload.py": "test_recompute.py"}
+
+
+def work_unit(nodeid: str) -> str:
+    """The file a test runs with: its own, or the one in SHARES_STEPS_WITH."""
+    path = Path(nodeid.split("::", 1)[0])
+    return str(path.with_name(SHARES_STEPS_WITH.get(path.name, path.name)))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
+    """--dist loadfile with the files of SHARES_STEPS_WITH in one work unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedStepsScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return SharedStepsScheduling(config, log)
+
+
+def _one_share_of_the_cores_per_worker() -> None:
+    """Under pytest-xdist (make test: two workers on two cores) each worker's ops run on its share of
+    the cores. With each worker's OpenMP pool as wide as the machine, one worker's threads take the
+    cores that the other's Python (most of the suite: Thunder tracing) runs on. The processes a test
+    starts (torchrun jobs, the benchmarks) inherit the share. An OMP_NUM_THREADS already set stays."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+_one_share_of_the_cores_per_worker()
 
 
 def pytest_collection_modifyitems(items) -> None:
