@@ -4,10 +4,12 @@ it, the memory model counts each donated output as its input's storage, only inp
 reads afterwards and the trace does not return are taken, and where SwiGLU's gradient region
 donates, the measured peak falls."""
 
+import functools
+
 import pytest
 import thunder
 import torch
-from _train import assert_same_numerics, train_step
+from _train import Step, assert_same_numerics, train_step
 from litgpt.model import LLaMAMLP
 from thunder.dev_utils.check_trace import check_trace
 
@@ -28,6 +30,12 @@ def _step(model_name: str, passes, **options):
     return memopt, train_step(model_name, [memopt], executors=[CPU_FUSION, *thunder.get_default_executors()], **SHAPE)
 
 
+@functools.cache
+def _every_pass_step(model_name: str) -> tuple[MemoryOptimization, Step]:
+    """``_step`` with every pass and no options, shared by the tests that only read it."""
+    return _step(model_name, PASSES)
+
+
 def _donations(trace):
     """(index of the region, the region, its copy into a donated input) of each donated output."""
     return [(i, b, sub) for i, b in enumerate(trace.bound_symbols) if CPU_FUSION.is_own_fusion(b)
@@ -37,7 +45,7 @@ def _donations(trace):
 @pytest.mark.parametrize("model_name", ["stablecode-completion-alpha-3b", "Llama-3-8B"])
 def test_donated_steps_are_bit_identical_and_write_only_into_inputs_that_die_there(model_name):
     _, without = _step(model_name, [p for p in PASSES if p != "donate"])
-    memopt, step = _step(model_name, PASSES)
+    memopt, step = _every_pass_step(model_name)
     assert_same_numerics(without, step)
     donations = _donations(step.forward_trace) + _donations(step.backward_trace)
     assert donations and memopt.donated_outputs >= len(donations)
@@ -104,7 +112,7 @@ def test_swiglus_gradient_region_writes_into_the_gradient_it_reads_and_the_measu
 def test_a_backward_donates_only_saved_tensors_that_its_forward_made_for_it_alone():
     """Llama's SwiGLU gradient region takes saved MLP tensors. What the forward received or returns
     to its caller is held elsewhere: never donated."""
-    _, step = _step("Llama-3-8B", PASSES)
+    _, step = _every_pass_step("Llama-3-8B")
     taken = {copy.flat_proxy_args[1].name for _, _, copy in _donations(step.backward_trace)}
     donatable = donate.donatable_saved(step.forward_trace)
     assert taken & donatable
