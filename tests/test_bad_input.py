@@ -130,7 +130,7 @@ def test_thunderfx_backend_passes_thunder_options_on():
 def test_inference_forward_gives_no_warning_and_no_higher_peak(model_name, how):
     """Under no_grad the forward is an inference trace: the schedule pass reads it (torch-level ops
     of a prim's name included) without falling back, and never raises its estimated peak."""
-    cfg = narrow_config(model_name, n_layer=2, n_embd=256, block_size=64)
+    cfg = narrow_config(model_name, n_layer=1, n_embd=256, block_size=64)  # checked alike at any depth
     model = build_model(cfg).eval()
     x, _ = random_batch(cfg, batch_size=1, seq_len=64)
     mo = MemoryOptimization()
