@@ -137,6 +137,13 @@ def _unfused_fp32_step(model_name: str, budget: float = 1.0) -> Step:
     return _jit_step(model_name, fused=False, dtype=torch.float32, upcast=True, ignore=True, budget=budget)
 
 
+@functools.cache
+def _fused_fp32_step(model_name: str, budget: float, head_gradients: str | None = None) -> Step:
+    """The fused fp32 head of the numerics and FLOPs tests, which only read it."""
+    return _jit_step(model_name, fused=True, dtype=torch.float32, upcast=True, ignore=True, budget=budget,
+                     head_gradients=head_gradients)
+
+
 def _names(trace):
     return {b.sym.name for b in trace.bound_symbols}
 
@@ -172,14 +179,37 @@ SYMBOLS = {
 }
 
 
+def test_the_heads_flops_are_its_vocabulary_matmuls():
+    # Its outputs (a scalar loss, gradients, a log-sum-exp) say nothing of the vocabulary, so the
+    # FLOPs come from its inputs: those of the unfused head's linear for the forward; three times
+    # that where it also makes both gradients (the logits again, then two products).
+    from thunder_memopt.core.cost import estimate_flops
+
+    unfused = _unfused_fp32_step(STABLECODE, 0.5)
+    head = [b for b in unfused.forward_trace.bound_symbols if b.sym.name == "linear"][-1]
+    assert head.output.shape[-1] == 512  # the padded vocabulary
+    logits = estimate_flops(head)
+    costs = {}
+    for budget in (0.5, 1.0):
+        step = _fused_fp32_step(STABLECODE, budget)
+        for b in (*step.forward_trace.bound_symbols, *step.backward_trace.bound_symbols):
+            if b.sym.name in SYMBOLS[budget]:
+                costs[b.sym.name] = estimate_flops(b)
+    scaling = costs.pop("memopt_linear_cross_entropy_scale_gradients")
+    assert costs == {
+        "memopt_linear_cross_entropy_forward": logits, "memopt_linear_cross_entropy_backward": 3 * logits,
+        "memopt_linear_cross_entropy_forward_with_gradients": 3 * logits,
+    }
+    assert scaling < logits / 100  # one multiply an element of the gradients
+
+
 # head_gradients, given, overrides the budget's choice of where the head computes its gradients.
 @pytest.mark.parametrize("model_name,budget,head_gradients,expected", [
     (STABLECODE, 1.0, None, 1.0), (LLAMA, 1.0, None, 1.0), (STABLECODE, 0.5, None, 0.5),
     (STABLECODE, 1.0, "backward", 0.5), (STABLECODE, 0.5, "forward", 1.0)])
 def test_jit_fuses_the_head_in_fp32_within_rounding(model_name, budget, head_gradients, expected):
     unfused = _unfused_fp32_step(model_name, budget)
-    fused = _jit_step(model_name, fused=True, dtype=torch.float32, upcast=True, ignore=True, budget=budget,
-                      head_gradients=head_gradients)
+    fused = _fused_fp32_step(model_name, budget, head_gradients)
     forward_symbol, backward_symbol = SYMBOLS[expected]
     assert forward_symbol in _names(fused.forward_trace)
     assert backward_symbol in _names(fused.backward_trace)

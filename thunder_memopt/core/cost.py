@@ -16,7 +16,7 @@ import torch
 from thunder.core.symbol import BoundSymbol
 
 from thunder_memopt.core.memory import tensor_nbytes
-from thunder_memopt.core.ops import moves_data, op_names
+from thunder_memopt.core.ops import FUSED_LOSS_HEAD_MATMULS, moves_data, op_names
 from thunder_memopt.core.trace import is_bookkeeping, tensor_args, tensor_outs
 
 __all__ = ["DeviceRates", "estimate_flops", "op_seconds", "measure_rates"]
@@ -43,11 +43,18 @@ class DeviceRates:
 
 
 def estimate_flops(bsym: BoundSymbol) -> int:
-    """Rough FLOPs of an expensive op: 2 x output elements x reduction length."""
+    """Rough FLOPs of an expensive op: 2 x output elements x reduction length, and for the fused loss
+    head 2 x tokens x hidden x vocabulary per product it runs."""
     args, outs = tensor_args(bsym), tensor_outs(bsym)
     if not outs:
         return 0
     out_numel = sum(int(o.numel) for o in outs)
+    head_matmuls = FUSED_LOSS_HEAD_MATMULS.get(bsym.sym.name)
+    if head_matmuls:
+        # Its outputs are a scalar loss and gradients or the log-sum-exp, which say nothing of the
+        # vocabulary; its first two matrices are the hidden state (tokens x hidden) and the weight.
+        hidden, weight = [a for a in args if len(a.shape) == 2][:2]
+        return 2 * head_matmuls * int(hidden.numel) * int(weight.shape[0])
     names = set(op_names(bsym))
     if names & {"scaled_dot_product_attention"} or any("sdpa" in n or "attention" in n for n in names):
         q = args[0]

@@ -49,6 +49,7 @@ __all__ = [
     "ATTENTION",
     "EMBEDDING",
     "FUSED_LOSS_HEAD",
+    "FUSED_LOSS_HEAD_MATMULS",
 ]
 
 # Replaying would draw new numbers.
@@ -103,14 +104,17 @@ ATTENTION = frozenset({
     "memopt_cudnn_sdpa_attention_forward", "memopt_cudnn_sdpa_attention_backward",
 })
 EMBEDDING = frozenset({"embedding", "embedding_backward", "take"})
-# thunder_memopt's fused linear + cross-entropy (executors/chunked_cross_entropy.py): a matmul over
-# the vocabulary, never fused into a region.
-FUSED_LOSS_HEAD = frozenset({
-    "memopt_linear_cross_entropy", "memopt_linear_cross_entropy_forward",
-    "memopt_linear_cross_entropy_backward", "memopt_linear_cross_entropy_forward_with_gradients",
-    "memopt_linear_cross_entropy_scale_gradients", "memopt_linear_cross_entropy_and_logits",
-    "memopt_linear_cross_entropy_forward_and_logits",
-})
+# thunder_memopt's fused linear + cross-entropy (executors/chunked_cross_entropy.py): matmuls over
+# the vocabulary, never fused into a region. Each op's count of (tokens x hidden) @ (hidden x vocab)
+# products: the logits; in the backward, or the forward that computes the gradients, the logits
+# again and the products for the hidden state's and the weight's gradients.
+FUSED_LOSS_HEAD_MATMULS = {
+    "memopt_linear_cross_entropy": 1, "memopt_linear_cross_entropy_forward": 1,
+    "memopt_linear_cross_entropy_and_logits": 1, "memopt_linear_cross_entropy_forward_and_logits": 1,
+    "memopt_linear_cross_entropy_backward": 3, "memopt_linear_cross_entropy_forward_with_gradients": 3,
+    "memopt_linear_cross_entropy_scale_gradients": 0,
+}
+FUSED_LOSS_HEAD = frozenset(FUSED_LOSS_HEAD_MATMULS)
 
 # Its forwards are never replayed: what they save is the log-sum-exp (4 bytes a token), or the
 # gradients that the backward's variant computes with fewer matmuls (head_gradients="backward"), and
