@@ -259,7 +259,7 @@ def run(run_file: Path) -> int:
     if rank == 0:
         worker.write_json(out_dir / worker.RESULT_FILE, result)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        worker.leave_process_group()
     return 0
 
 

@@ -28,7 +28,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -415,6 +415,22 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data))
 
 
+def leave(code: int) -> NoReturn:
+    """Exit at once, with the output flushed, and without the interpreter's finalization."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def leave_process_group() -> NoReturn:
+    """The end of a rank that ran distributed: the process group torn down, then ``leave(0)``.
+    gloo's worker threads can still free a finished collective's tensors while the interpreter
+    shuts down, and taking the GIL then aborts the process ("terminate called without an active
+    exception", pytorch/pytorch#190489) after its results are written."""
+    dist.destroy_process_group()
+    leave(0)
+
+
 @contextlib.contextmanager
 def reporting_failure(out_dir: Path, rank: int, phase: str) -> Iterator[None]:
     """On an exception, write this rank's status for the driver and exit at once.
@@ -429,9 +445,7 @@ def reporting_failure(out_dir: Path, rank: int, phase: str) -> Iterator[None]:
         status = "OOM" if is_out_of_memory(error) else "error"
         message = f"{type(error).__name__}: {error}"[:ERROR_MESSAGE_CHARS]
         write_json(out_dir / failure_file(rank), {"status": status, "error": message, "phase": phase})
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        leave(1)
 
 
 def recording_memopt_warnings() -> list[str]:
@@ -545,7 +559,7 @@ def run(trial_file: Path) -> int:
         if rank == 0:
             write_json(out_dir / RESULT_FILE, result)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        leave_process_group()
     return 0
 
 
