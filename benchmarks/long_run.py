@@ -6,9 +6,9 @@ show that nothing drifts, overflows or loses a bit over hundreds of steps (issue
 
 Every setting trains the same weights on the same batches of the Python standard library's source
 bytes (vocabulary 256, padded as litgpt pads), with the cross-entropy on fp32 logits inside the
-compiled model (--loss-mode), AdamW, a linear warm-up and a constant or cosine learning rate, each in
-a fresh torchrun (FSDP2 with one rank by default). It writes every step's
-loss per setting to --out (JSON lines), a plot, and a report (--report), and prints a progress line
+compiled model (--loss-mode), AdamW, a linear warm-up and a constant or cosine learning rate, the
+gradients clipped to a total norm (--max-grad-norm), each in a fresh torchrun (FSDP2 with one rank
+by default). It writes every step's loss per setting to --out (JSON lines), a plot, and a report (--report), and prints a progress line
 every --progress-every steps. The report holds each setting's mean loss over the last --tail-steps
 steps against eager's, any NaN or inf step, and, for the pairs that must compute the same bits
 (thunder+memopt-offload at budget B and thunder+memopt at B; a setting and its repeat ``#2``, the
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from benchmarks.fsdp2 import driver, long_run, long_run_driver, long_run_report  # noqa: E402
 from benchmarks.fsdp2.trial import (IN_GRAPH_LOSS_MODES, OPTIMIZERS, SHARD_MODES, Compilation, Measurement, Numerics, Sharding,  # noqa: E402
                                     Trial, Workload)
-from thunder_memopt.arguments import (fraction, litgpt_model_name, narrow_width, non_negative_int,  # noqa: E402
-                                      positive_float, positive_int)
+from thunder_memopt.arguments import (fraction, litgpt_model_name, narrow_width, non_negative_float,  # noqa: E402
+                                      non_negative_int, positive_float, positive_int)
 from thunder_memopt.models import DTYPES, narrow_config  # noqa: E402
 
 DEFAULT_SETTINGS = ("eager", "inductor", "thunder+memopt@1", "thunder+memopt@0", "thunder+memopt-offload@0",
@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                           help="after the warm-up (default: %(default)s)")
     training.add_argument("--min-lr-ratio", type=fraction, default=0.1,
                           help="cosine: the last step's share of --lr (default: %(default)s)")
+    training.add_argument("--max-grad-norm", type=non_negative_float, default=1.0,
+                          help="clip the gradients' total norm to this before each step; 0: no clipping "
+                               "(default: %(default)s)")
     training.add_argument("--optimizer", choices=OPTIMIZERS, default="foreach",
                           help="AdamW's implementation (default: %(default)s)")
 
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         plot_path = None
     template = template_trial(args)
     training = long_run_driver.Training(args.steps, long_run.Schedule(args.lr, args.warmup_steps, args.lr_schedule,
-                                                                      args.min_lr_ratio), args.progress_every,
+                                                                      args.min_lr_ratio, args.max_grad_norm),
+                                        args.progress_every,
                                         args.deterministic)
     pairs = [tuple(pair) for pair in args.identical] if args.identical else long_run_driver.twin_pairs(args.settings)
     print(f"{len(args.settings)} setting(s), {args.steps} steps each, on {environment['gpu']}; rows to {out}, "
@@ -217,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                                       tail=args.tail_steps, rtol=args.loss_rtol)
     context = runner.context()
     title = (f"{args.model_name}, {args.n_layer} layers, n_embd {template.workload.n_embd}, T={args.block_size}, "
-             f"{args.steps} steps, {args.lr_schedule} lr {args.lr:g}; {environment['gpu']}, {context['date']}, "
+             f"{args.steps} steps, {args.lr_schedule} lr {args.lr:g}, "
+             f"{f'gradients clipped to norm {args.max_grad_norm:g}' if args.max_grad_norm else 'no clipping'}; "
+             f"{environment['gpu']}, {context['date']}, "
              f"{environment['memopt_commit']}")
     text = long_run_report.markdown(verdict)
     print(text, flush=True)

@@ -64,6 +64,8 @@ def test_every_setting_trains_every_step_to_finite_losses(finished):
         steps = [row for row in rows_of(rows, long_run_driver.STEP_ROW) if row["run_id"] == run["run_id"]]
         assert [row["step"] for row in steps] == list(range(STEPS)), run["setting"]
         assert all(math.isfinite(row["loss"]) and math.isfinite(row["params_norm"]) for row in steps)
+        # Clipped to norm 1 by default: each step records its gradients' norm before the clipping.
+        assert run["max_grad_norm"] == 1.0 and all(row["grad_norm"] > 0 for row in steps), run["setting"]
         # The byte vocabulary, padded by litgpt's rule (a multiple of padding_multiple, 512).
         assert (run["vocab_size"], run["padded_vocab_size"]) == (256, 512)
         assert run["corpus_files"] > 100 and run["plan_saved_bytes"] > 0 and run["n_layer"] == N_LAYER
@@ -118,6 +120,21 @@ def test_make_table_over_a_glob_with_the_long_runs_file_tables_only_the_benchmar
     assert "long_run" not in table and "eager [seed=1]" not in table
 
 
+def test_the_gradients_are_clipped_before_each_step_and_their_norms_recorded():
+    import torch
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    norms = long_run.clip_gradients_before_each_step(optimizer, [weight], max_norm=1.0)
+    for grad in ([3.0, 4.0, 0.0], [0.3, 0.4, 0.0]):
+        before = weight.detach().clone()
+        weight.grad = torch.tensor(grad)
+        optimizer.step()
+        step = (before - weight.detach()).norm().item()
+        assert step == pytest.approx(min(1.0, norms[-1]), rel=1e-5)
+    assert norms == [pytest.approx(5.0), pytest.approx(0.5)]
+
+
 def test_batches_are_the_same_for_one_seed_and_differ_for_another():
     corpus = long_run.Corpus.read()
     assert corpus.files == len(long_run.stdlib_sources()) and len(corpus.data) > 10**6
@@ -150,6 +167,7 @@ def _cli():
     (["--settings", "eager", "eager"], "lists a setting twice"),
     (["--settings", "eager", "--identical", "eager", "inductor"], "--identical names inductor"),
     (["--steps", "0"], "must be at least 1"),
+    (["--max-grad-norm", "-1"], "must be at least 0"),
     (["--steps", "10", "--warmup-steps", "10"], "leaves none of --steps 10"),
     (["--steps", "10", "--tail-steps", "11"], "--tail-steps 11 exceeds --steps 10"),
 ])

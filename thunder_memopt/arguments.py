@@ -15,6 +15,7 @@ __all__ = [
     "positive_int",
     "non_negative_int",
     "positive_float",
+    "non_negative_float",
     "fraction",
     "memory_limit",
     "litgpt_model_name",
@@ -46,6 +47,11 @@ def non_negative_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """A number above 0 (rates)."""
     return _number(text, float, lambda value: value > 0.0, "above 0")
+
+
+def non_negative_float(text: str) -> float:
+    """A number at least 0 (where 0 turns a limit off)."""
+    return _number(text, float, lambda value: value >= 0.0, "at least 0")
 
 
 def fraction(text: str) -> float:

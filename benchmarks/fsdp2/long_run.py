@@ -10,7 +10,8 @@ weights, on the same batches:
 - the text is the Python standard library's source files read as bytes (every machine has them, and
   code suits stablecode, a code model): vocabulary 256, padded as litgpt pads it
   (``padded_vocab_size``), in windows of T + 1 bytes whose order one seed fixes (``ByteBatches``);
-- AdamW with a linear warm-up, then a constant or cosine learning rate (``Schedule``);
+- AdamW with a linear warm-up, then a constant or cosine learning rate, the gradients clipped to a
+  total norm before each step (``Schedule``);
 - the model is built, sharded and compiled by the benchmark's worker (``worker.prepare_training``).
 
 Each setting runs in a fresh torchrun (``long_run_driver``), so that no compiled code of another
@@ -21,10 +22,10 @@ setting reaches it:
 Rank 0 appends one JSON line per step to ``steps.jsonl`` next to RUN_JSON as it goes (the driver
 reads it for its progress lines): the step's loss (rank 0's batch), the learning rate it used, its
 seconds, and the norm of rank 0's parameter shards after it, which tells two runs apart even where
-a bf16 loss is too coarse to show their difference. Then ``result.json`` (``worker.RESULT_FILE``): the
-corpus, and what one more forward saves for backward (bytes and storages over every device, host
-copies of offloaded tensors included), which differs where two settings save, and so recompute,
-different tensors.
+a bf16 loss is too coarse to show their difference, and, with clipping, the gradients' norm before
+it. Then ``result.json`` (``worker.RESULT_FILE``): the corpus, and what one more forward saves for
+backward (bytes and storages over every device, host copies of offloaded tensors included), which
+differs where two settings save, and so recompute, different tensors.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ NOT_STDLIB = {"site-packages", "dist-packages"}
 class Schedule:
     """AdamW's learning rate: ``lr * (s + 1) / (warmup_steps + 1)`` at step s of the warm-up (linear,
     ``lr`` at step ``warmup_steps``), then constant, or cosine down to ``lr * min_lr_ratio`` at the
-    last step."""
+    last step; and the total norm the gradients are clipped to before each step (0: not clipped)."""
 
     lr: float
     warmup_steps: int
     lr_schedule: str = "cosine"  # one of SCHEDULES
     min_lr_ratio: float = 0.1
+    max_grad_norm: float = 0.0
 
     def scheduler(self, optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LRScheduler:
         from torch.optim import lr_scheduler
@@ -171,6 +173,21 @@ def byte_config(trial: Trial):
     return dataclasses.replace(config, vocab_size=BYTE_VOCAB, padded_vocab_size=None)
 
 
+def clip_gradients_before_each_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor],
+                                    max_norm: float) -> list[float]:
+    """Clip the gradients' total norm to ``max_norm`` before each of ``optimizer``'s steps (a step
+    pre-hook: the training step stays the library's ``training_step``). The list gets each step's
+    norm before clipping, over every rank's shards."""
+    norms: list[float] = []
+
+    def clip(*_) -> None:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+
+    optimizer.register_step_pre_hook(clip)
+    return norms
+
+
 def parameters_norm(parameters: list[torch.Tensor]) -> float:
     """The 2-norm of this rank's parameter shards, accumulated in fp32 per tensor, then in fp64."""
     local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in parameters]
@@ -201,6 +218,10 @@ def train(spec: RunSpec, device: torch.device, rank: int, steps_path: Path | Non
     parameters = list(training.parameters_owner.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=spec.schedule.lr, **{trial.numerics.optimizer: True})
     scheduler = spec.schedule.scheduler(optimizer, spec.steps)
+    # Clipped, a spike's step stays small, and two settings whose rounding differs do not go apart
+    # from it (clipping at 1.0 is the common practice of pre-training recipes).
+    max_norm = spec.schedule.max_grad_norm
+    grad_norms = clip_gradients_before_each_step(optimizer, parameters, max_norm) if max_norm else None
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     batches = ByteBatches(corpus.data, seq_len=trial.workload.block_size, micro_batch=trial.workload.micro_batch_size,
                           world_size=world_size, rank=rank, seed=trial.workload.seed)
@@ -215,6 +236,8 @@ def train(spec: RunSpec, device: torch.device, rank: int, steps_path: Path | Non
         if steps_path is not None:
             row = {"step": step, "loss": loss.item(), "lr": lr, "step_s": step_s,
                    "params_norm": parameters_norm(parameters)}
+            if grad_norms is not None:
+                row["grad_norm"] = grad_norms[-1]
             with open(steps_path, "a") as steps_file:  # line by line: the driver follows it
                 steps_file.write(json.dumps(row) + "\n")
     fields = {**corpus.fields(), "vocab_size": config.vocab_size, "padded_vocab_size": config.padded_vocab_size,
