@@ -206,6 +206,7 @@ def test_an_unknown_model_name_suggests_close_names(capsys):
         (["--bus-bandwidth", "100"], "--bus-bandwidth sets the modelled step of --simulate-world-size"),
         (["--bus-bandwidth", "0", "--simulate-world-size", "8"], "--bus-bandwidth"),
         (["--head-unit", "own", "--distributed-mode", "none"], "--head-unit own places FSDP2's units"),
+        (["--head-unit", "loss", "--loss-mode", "litgpt"], "--head-unit loss makes the head and the in-graph loss"),
         (["--trial-timeout", "-5"], "--trial-timeout"),
         (["--loss-rtol", "-1"], "--loss-rtol"),
         (["--time-limit", "0"], "--time-limit"),

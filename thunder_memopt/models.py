@@ -17,6 +17,7 @@ __all__ = [
     "random_batch",
     "GPTWithLoss",
     "HeadWithLoss",
+    "LossHead",
     "next_token_loss",
     "training_step",
 ]
@@ -107,25 +108,44 @@ class GPTWithLoss(torch.nn.Module):
         return next_token_loss(self.gpt(input_ids), targets, upcast_logits=self.upcast_logits)
 
 
+class LossHead(torch.nn.Module):
+    """The head and the loss: hidden states and targets in, the mean cross-entropy out.
+
+    Under FSDP2 make it a unit of its own (``fully_shard(model.loss_head)``). Its input, the last
+    Block's output, requires grad, so FSDP2 frees the head's gathered weight and reduce-scatters its
+    gradient as soon as its backward ends. In the root's unit both would stay whole through every
+    Block's backward: 2 GiB in bf16 at Llama-3's vocabulary, where the step's peak is. A unit is one
+    graph under torch.compile, so the head still fuses with its cross-entropy.
+    """
+
+    def __init__(self, head: torch.nn.Module, *, upcast_logits: bool = False) -> None:
+        super().__init__()
+        self.head = head
+        self.upcast_logits = upcast_logits
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.head(hidden), targets, upcast_logits=self.upcast_logits)
+
+
 class HeadWithLoss(torch.nn.Module):
-    """GPTWithLoss with the head moved out of the GPT's forward, next to the loss: the module to
-    compile under FSDP2, with the head left in the root unit.
+    """GPTWithLoss with the head moved out of the GPT's forward, next to the loss (``LossHead``):
+    the module to compile under FSDP2.
 
     Under torch.compile every FSDP2 unit (each Block) breaks the graph, and a graph break inside a
     call splits its caller's frame too: the head would end the GPT's last graph and the loss start
-    another, and no compiler could fuse the two. Here they are one graph. (Only without final
-    soft-capping, which litgpt applies after its head.) ``upcast_logits`` as GPTWithLoss's.
+    another, and no compiler could fuse the two. Here they are one graph, in the root's unit or in
+    ``loss_head``'s own. (Only without final soft-capping, which litgpt applies after its head.)
+    ``upcast_logits`` as GPTWithLoss's.
     """
 
     def __init__(self, gpt: torch.nn.Module, *, upcast_logits: bool = False) -> None:
         super().__init__()
-        self.head = gpt.lm_head
+        self.loss_head = LossHead(gpt.lm_head, upcast_logits=upcast_logits)
         gpt.lm_head = torch.nn.Identity()
         self.gpt = gpt
-        self.upcast_logits = upcast_logits
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(self.head(self.gpt(input_ids)), targets, upcast_logits=self.upcast_logits)
+        return self.loss_head(self.gpt(input_ids), targets)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, *, upcast_logits: bool = False) -> torch.Tensor:

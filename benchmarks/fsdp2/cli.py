@@ -27,8 +27,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.fsdp2 import backends, driver, hf_models, search, step_model
-from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, HEAD_UNITS, LOSS_MODES, MODEL_SOURCES, OPTIMIZERS, SHARD_MODES,
-                                    TRANSFORMERS_SOURCE, Compilation, Measurement, Numerics, Sharding, Trial, Workload)
+from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, HEAD_UNITS, IN_GRAPH_LOSS_MODES, LOSS_MODES, MODEL_SOURCES,
+                                    OPTIMIZERS, SHARD_MODES, TRANSFORMERS_SOURCE, Compilation, Measurement, Numerics,
+                                    Sharding, Trial, Workload)
 from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_float, positive_int
 from thunder_memopt.models import DTYPES, narrow_config
 from thunder_memopt.transform import HEAD_GRADIENTS, PASSES
@@ -98,9 +99,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                           help="fsdp2: reshard_after_forward False/True; thunder-fsdp: FSDPType.ZERO2/ZERO3")
     sharding.add_argument("--head-unit", choices=HEAD_UNITS, default="root",
                           help="fsdp2: root puts the final norm, the head and the in-graph loss in the root's unit "
-                               "(one graph, so the head fuses with its loss); own gives the head and the final norm "
-                               "units of their own and computes the loss after the root, the layout of rows "
-                               "written before 2026-12-01")
+                               "(one graph, so the head fuses with its loss); loss makes the head and the in-graph "
+                               "loss a unit of their own (one graph too), whose gathered weight and gradient FSDP2 "
+                               "frees right after its backward; own gives the head and the final norm units of "
+                               "their own and computes the loss after the root, the layout of rows written before "
+                               "2026-12-01")
     sharding.add_argument("--nproc-per-node", type=positive_int, default=1, help="ranks, when not launched by torchrun")
     sharding.add_argument("--simulate-world-size", type=positive_int, metavar="N",
                           help="fsdp2 only: one process plays rank 0 of N under torch's fake process group (rank "
@@ -179,6 +182,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         parser.error("--autocast casts to bf16 inside the step: keep the parameters in --dtype fp32")
     if args.head_unit != "root" and args.distributed_mode != "fsdp2":
         parser.error(f"--head-unit {args.head_unit} places FSDP2's units: use it with --distributed-mode fsdp2")
+    if args.head_unit == "loss" and args.loss_mode not in IN_GRAPH_LOSS_MODES:
+        parser.error(f"--head-unit loss makes the head and the in-graph loss one unit: --loss-mode {args.loss_mode} "
+                     "computes the loss after the model")
     check_simulation(args, parser)
     check_model(args, parser)
     return args, parser
@@ -198,7 +204,7 @@ def check_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     if args.loss_mode != "in-graph":
         parser.error(f"--loss-mode {args.loss_mode}: a transformers model computes its loss itself, from labels")
     if args.head_unit != "root":
-        parser.error("--head-unit own: a transformers model's head and loss stay in the root's unit")
+        parser.error(f"--head-unit {args.head_unit}: a transformers model's head and loss stay in the root's unit")
     if args.simulate_world_size is not None:
         parser.error("--simulate-world-size materializes litgpt models only: use --model-source litgpt")
 

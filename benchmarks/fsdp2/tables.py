@@ -91,8 +91,9 @@ def heading(row: dict) -> str:
             else f", loss {loss_mode} (after the compiled model)")
     optimizer = field_value(row, "optimizer")
     adamw = "" if optimizer == FIELD_DEFAULTS["optimizer"] else f", AdamW {optimizer}"
-    if row["distributed_mode"] == "fsdp2" and field_value(row, "head_unit") == "own":
-        adamw += ", head and final norm in FSDP2 units of their own"
+    head_unit = field_value(row, "head_unit") if row["distributed_mode"] == "fsdp2" else "root"
+    adamw += {"own": ", head and final norm in FSDP2 units of their own",
+              "loss": ", head and loss an FSDP2 unit of their own"}.get(head_unit, "")
     source = field_value(row, "model_source")
     model = row["model"] if source == FIELD_DEFAULTS["model_source"] else f"{source} {row['model']}"
     return (f"{model}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "

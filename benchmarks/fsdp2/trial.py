@@ -33,9 +33,11 @@ TRANSFORMERS_SOURCE = "transformers"
 MODEL_SOURCES = ("litgpt", TRANSFORMERS_SOURCE)
 SHARD_MODES = ("zero2", "zero3")
 # fsdp2's units for the head: the final norm, the head and the in-graph loss in the root's unit
-# (root), or the head and the final norm each a unit of their own and the loss after the GPT's root
-# unit (own), the benchmark's layout until commit a818edf: rows written before it ran own.
-HEAD_UNITS = ("root", "own")
+# (root); the head and the in-graph loss a unit of their own, models.LossHead (loss), which FSDP2
+# reshards and reduce-scatters right after its backward; or the head and the final norm each a unit
+# of their own and the loss after the GPT's root unit (own), the benchmark's layout until commit
+# a818edf: rows written before it ran own.
+HEAD_UNITS = ("root", "loss", "own")
 HEAD_IN_ROOT_SINCE = "2026-12-01T11:09:31+00:00"
 # row_type: a measured run (a --find-max-block-size probe too), or a search's summary.
 RUN_ROW = "run"

@@ -103,11 +103,14 @@ def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) 
     With ``head_unit`` root (the default) the root is ``root`` (``gpt``, or HeadWithLoss around it
     for the in-graph loss), whose unit holds the final norm, the head and the loss, so that they
     compile in one graph (each FSDP2 unit is a graph of its own under torch.compile), where a
-    compiler can fuse the head with its cross-entropy (thunder_memopt's loss_head pass). Under zero2
-    this leaves the peak as it was: every unit stays gathered from its forward to its backward, and
-    the head's forward and backward sit on either side of the peak. With ``head_unit`` own the head
-    and the final norm are units of their own and the root is ``gpt``, the loss after it: the layout
-    of rows written before 2026-12-01 (trial.HEAD_IN_ROOT_SINCE), to compare with them.
+    compiler can fuse the head with its cross-entropy (thunder_memopt's loss_head pass). The root's
+    unit is resharded and reduce-scattered only when the whole backward ends, so the head's gathered
+    weight and its unsharded gradient stay through every Block's backward. With ``head_unit`` loss
+    the head and the loss (HeadWithLoss's ``loss_head``) are a unit of their own, one graph too,
+    whose input requires grad, so FSDP2 frees both right after the head's backward. With
+    ``head_unit`` own the head and the final norm are units of their own and the root is ``gpt``,
+    the loss after it: the layout of rows written before 2026-12-01 (trial.HEAD_IN_ROOT_SINCE), to
+    compare with them.
 
     The model is built in ``trial.numerics.dtype``, and the policy computes and reduces in that
     dtype, which for bf16 makes it a no-op cast (the reference numbers: bf16 model +
@@ -115,7 +118,11 @@ def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) 
     gathered in their own dtype and autocast's casts of them run inside the compiled graphs.
     """
     own_head = trial.sharding.head_unit == "own"
-    units = [*gpt.transformer.h, gpt.transformer.wte, *((gpt.lm_head, gpt.transformer.ln_f) if own_head else ())]
+    head_units = {"own": (gpt.lm_head, gpt.transformer.ln_f), "loss": (getattr(root, "loss_head", None),)}
+    units = [*gpt.transformer.h, gpt.transformer.wte, *head_units.get(trial.sharding.head_unit, ())]
+    if None in units:
+        raise ValueError("--head-unit loss: the model's final logits are soft-capped after its head, so the head "
+                         "cannot be a unit with the loss; use --head-unit root")
     return fully_shard_units(units, gpt if own_head else root, trial)
 
 
@@ -146,11 +153,11 @@ def prepare_training(gpt: torch.nn.Module, trial: Trial, device: torch.device) -
                      else None)
         compiled = backend.compile(gpt, trial, device)
         return training_of(compiled, hf_models.loss_from_labels(compiled.forward), fsdp_root, trial, device)
-    head_in_root = trial.sharding.head_unit == "root" and gpt.config.final_logit_softcapping is None
+    head_with_loss = trial.sharding.head_unit != "own" and gpt.config.final_logit_softcapping is None
     upcast_logits = loss_mode == "in-graph-fp32"
     if loss_mode not in IN_GRAPH_LOSS_MODES:
         module = gpt
-    elif distributed_mode == "fsdp2" and head_in_root:
+    elif distributed_mode == "fsdp2" and head_with_loss:
         module = HeadWithLoss(gpt, upcast_logits=upcast_logits)
     else:
         module = GPTWithLoss(gpt, upcast_logits=upcast_logits)
