@@ -68,6 +68,9 @@
 #   sim-llama3-8b-head
 #                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at 1.0 with the loss
 #                   head's gradients in the backward (--memopt-head-gradients backward), in one invocation
+#   sim-llama3-8b-head-unit
+#                   SIMULATED rank 0 of 8: as sim-llama3-8b-head, with the head and the loss an FSDP2 unit of
+#                   their own (--head-unit loss), in one invocation
 #   sim-llama3-8b-rungs
 #                   SIMULATED rank 0 of 8: the same setup, inductor against thunder+memopt at budgets 0.99 and 0.95
 #                   with the loss head's gradients in the forward (--memopt-head-gradients forward), in one invocation
@@ -255,6 +258,10 @@ case "$GROUP" in
         simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
             --compile inductor thunder+memopt --memopt-budget 1.0 --memopt-head-gradients backward \
             --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_head_backward.jsonl" ;;
+    sim-llama3-8b-head-unit)
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 --head-unit loss \
+            --compile inductor thunder+memopt --memopt-budget 1.0 --memopt-head-gradients backward \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_T8192_head_unit.jsonl" ;;
     sim-llama3-8b-rungs)
         simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
             --compile inductor thunder+memopt --memopt-budget 0.99 0.95 --memopt-head-gradients forward \
