@@ -218,8 +218,7 @@ def train(spec: RunSpec, device: torch.device, rank: int, steps_path: Path | Non
     parameters = list(training.parameters_owner.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=spec.schedule.lr, **{trial.numerics.optimizer: True})
     scheduler = spec.schedule.scheduler(optimizer, spec.steps)
-    # Clipped, a spike's step stays small, and two settings whose rounding differs do not go apart
-    # from it (clipping at 1.0 is the common practice of pre-training recipes).
+    # Clipping at 1.0 is the common practice of pre-training recipes: a spike's step stays small.
     max_norm = spec.schedule.max_grad_norm
     grad_norms = clip_gradients_before_each_step(optimizer, parameters, max_norm) if max_norm else None
     world_size = dist.get_world_size() if dist.is_initialized() else 1
