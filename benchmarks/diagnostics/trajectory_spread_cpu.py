@@ -15,24 +15,22 @@ rate and clipping norm, and prints the tail mean's relative difference from the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.fsdp2
-from benchmarks.fsdp2.long_run import (BYTE_VOCAB, ByteBatches, Corpus, Schedule,  # noqa: E402
-                                       clip_gradients_before_each_step)
+from benchmarks.fsdp2.long_run import (ByteBatches, Corpus, Schedule, clip_gradients_before_each_step,  # noqa: E402
+                                       with_byte_vocabulary)
 from thunder_memopt.arguments import non_negative_float, non_negative_int, positive_float, positive_int  # noqa: E402
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, training_step  # noqa: E402
 
 
 def tail_loss(args: argparse.Namespace, corpus: Corpus, lr: float, max_norm: float, perturbation: int | None) -> float:
     """The mean loss of the last ``args.tail`` steps of one eager training."""
-    config = narrow_config("stablecode-completion-alpha-3b", n_layer=args.n_layer, n_embd=args.n_embd,
-                           block_size=args.block_size)
-    config = dataclasses.replace(config, vocab_size=BYTE_VOCAB, padded_vocab_size=None)
+    config = with_byte_vocabulary(narrow_config("stablecode-completion-alpha-3b", n_layer=args.n_layer,
+                                                n_embd=args.n_embd, block_size=args.block_size))
     gpt = build_model(config, dtype=torch.bfloat16, seed=0)
     if perturbation is not None:
         weight = gpt.transformer.h[0].attn.qkv.weight.data.view(-1)

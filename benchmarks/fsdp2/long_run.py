@@ -164,13 +164,18 @@ class ByteBatches:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def byte_config(trial: Trial):
-    """The trial's litgpt config (``narrow_config``) with the byte vocabulary, padded by litgpt's own
-    rule (``Config.__post_init__``: a multiple of ``padding_multiple``)."""
-    workload = trial.workload
-    config = narrow_config(workload.model, n_layer=workload.n_layer,
-                           n_embd=workload.n_embd if workload.narrowed else None, block_size=workload.block_size)
+def with_byte_vocabulary(config):
+    """A litgpt config with the byte vocabulary, padded by litgpt's own rule
+    (``Config.__post_init__``: a multiple of ``padding_multiple``)."""
     return dataclasses.replace(config, vocab_size=BYTE_VOCAB, padded_vocab_size=None)
+
+
+def byte_config(trial: Trial):
+    """The trial's litgpt config (``narrow_config``) with the byte vocabulary."""
+    workload = trial.workload
+    return with_byte_vocabulary(narrow_config(workload.model, n_layer=workload.n_layer,
+                                              n_embd=workload.n_embd if workload.narrowed else None,
+                                              block_size=workload.block_size))
 
 
 def clip_gradients_before_each_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor],

@@ -117,13 +117,16 @@ def shard_with_fsdp2(gpt: torch.nn.Module, root: torch.nn.Module, trial: Trial) 
     MixedPrecisionPolicy(bf16)). Under ``--autocast`` the policy casts nothing: the parameters are
     gathered in their own dtype and autocast's casts of them run inside the compiled graphs.
     """
-    own_head = trial.sharding.head_unit == "own"
-    head_units = {"own": (gpt.lm_head, gpt.transformer.ln_f), "loss": (getattr(root, "loss_head", None),)}
-    units = [*gpt.transformer.h, gpt.transformer.wte, *head_units.get(trial.sharding.head_unit, ())]
-    if None in units:
-        raise ValueError("--head-unit loss: the model's final logits are soft-capped after its head, so the head "
-                         "cannot be a unit with the loss; use --head-unit root")
-    return fully_shard_units(units, gpt if own_head else root, trial)
+    head_unit = trial.sharding.head_unit
+    units = [*gpt.transformer.h, gpt.transformer.wte]
+    if head_unit == "own":
+        units += [gpt.lm_head, gpt.transformer.ln_f]
+    elif head_unit == "loss":
+        if not isinstance(root, HeadWithLoss):  # prepare_training keeps the head in the GPT where it must
+            raise ValueError("--head-unit loss: the model's final logits are soft-capped after its head, so the "
+                             "head cannot be a unit with the loss; use --head-unit root")
+        units.append(root.loss_head)
+    return fully_shard_units(units, gpt if head_unit == "own" else root, trial)
 
 
 def fully_shard_units(units: list[torch.nn.Module], root: torch.nn.Module, trial: Trial) -> torch.nn.Module:
