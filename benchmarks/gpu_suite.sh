@@ -57,6 +57,10 @@
 #                   in one invocation, losses within 1% (issue 34's acceptance)
 #   hf-fsdp2        one GPU, FSDP2 with one rank, zero2, T=8192, 4 layers: transformers' Llama at Llama-3-8B's width
 #                   and Qwen2 at Qwen2.5-7B's, inductor and thunder+memopt, one invocation per model (issue 34)
+#   hf-models       one GPU, the whole model compiled, 4 layers, T=8192, one invocation per model: transformers'
+#                   models at the widths of Llama-3-8B, Mistral-7B, Qwen2.5-7B, Qwen3-8B, Phi-3-mini, Gemma-2-2B,
+#                   Granite-3-8B and OLMo-2-7B (HF_MODELS picks some), inductor and thunder+memopt (issue 50)
+#   hf-models-fsdp2 the same for Qwen3-8B and Gemma-2-2B under FSDP2 with one rank, zero2 (issue 50)
 #   sim-validate-zero2 sim-validate-zero3
 #                   SIMULATED (--simulate-world-size 2, one GPU): stablecode 8 layers, T=8192, the head in a unit of
 #                   its own as in the 2 x H200 rows of 2026-11-29/30 (--head-unit own): eager, eager-ac, inductor,
@@ -144,13 +148,20 @@ simulated_longest_block_size() {  # backend, first block size, more options
         --out "$OUT/stablecode_32l_zero2_sim8_max_block_size.jsonl" "$@"
 }
 
-transformers_4_layers() {  # model name, its file name (hf_NAME_4l_SETUP_1xH200_T8192), setup, more options
+# The card in the file names of the groups that run on whichever single GPU is lent (1xH100 or 1xH200).
+gpu_tag() { echo "1x$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | grep -o 'H[0-9]00' | head -n 1)"; }
+
+transformers_4_layers() {  # model name, its file name (hf_NAME_4l_SETUP_1xGPU_T8192), setup, more options
     local model=$1 name=$2 setup=$3
     shift 3
     CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-source transformers --model-name "$model" --n-layer 4 \
         --block-size 8192 --compile inductor thunder+memopt --loss-rtol 0.01 \
-        --out "$OUT/hf_${name}_4l_${setup}_1xH200_T8192.jsonl" "$@"
+        --out "$OUT/hf_${name}_4l_${setup}_${GPU_TAG:-$(gpu_tag)}_T8192.jsonl" "$@"
 }
+
+# Released widths of issue 50's transformers rows, and their file names.
+HF_MODELS=${HF_MODELS:-Llama-3-8B Mistral-7B-v0.3 Qwen2.5-7B Qwen3-8B Phi-3-mini-4k-instruct Gemma-2-2B Granite-3-8B OLMo-2-7B}
+hf_file_name() { echo "$1" | tr 'A-Z' 'a-z' | sed -e 's/-instruct$//' -e 's/-4k$//' -e 's/[.-]/_/g'; }
 
 tables() {
     local rows
@@ -238,6 +249,14 @@ case "$GROUP" in
             --memory-snapshot "${LOG_DIR:-$OUT}/llama3_8b_offload_keep_snapshots" \
             --out "$OUT/llama3_8b_4l_zero2_1xH200_T8192_fused_adamw_offload_keep.jsonl" ;;
     hf-llama3-8b-none) transformers_4_layers Llama-3-8B llama3_8b none --distributed-mode none ;;
+    hf-models)
+        for model in $HF_MODELS; do
+            transformers_4_layers "$model" "$(hf_file_name "$model")" none --distributed-mode none
+        done ;;
+    hf-models-fsdp2)
+        for model in Qwen3-8B Gemma-2-2B; do
+            transformers_4_layers "$model" "$(hf_file_name "$model")" zero2 --shard-mode zero2
+        done ;;
     hf-fsdp2)
         transformers_4_layers Llama-3-8B llama3_8b zero2 --shard-mode zero2
         transformers_4_layers Qwen2.5-7B qwen2_5_7b zero2 --shard-mode zero2 ;;

@@ -105,9 +105,12 @@ def test_each_family_builds_narrowed_and_trains_from_its_labels(model):
     model's own loss from labels, and gradients for every parameter."""
     import torch
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     config, built = worker.build_trial_model(_tiny_trial(model), torch.device("cpu"))
-    assert type(built).__name__ == hf_models.FAMILIES[hf_models.MODELS[model].family][1]
+    assert type(built).__name__ == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_models.MODELS[model].model_type]
     assert (config.hidden_size, config.num_attention_heads, config.vocab_size) == (64, 1, hf_models.NARROW_VOCAB_SIZE)
+    assert getattr(config, "head_dim", 64) == 64
     assert (config.num_hidden_layers, len(hf_models.decoder_layers(built))) == (2, 2)
     assert config.use_cache is False and config._attn_implementation == "sdpa"
     x = torch.randint(0, config.vocab_size, (1, 16))
@@ -126,6 +129,35 @@ def test_the_registry_states_the_released_widths():
     assert (qwen.hidden_size, qwen.intermediate_size, qwen.num_attention_heads, qwen.num_key_value_heads,
             qwen.vocab_size) == (3584, 18944, 28, 4, 152064)
     assert hf_models.width("Llama-3-8B", 512) == hf_models.Width(512, 1792, 8, 2, hf_models.NARROW_VOCAB_SIZE)
+
+
+def test_the_new_registry_entries_state_their_released_configs():
+    """Qwen3-8B, Gemma-2-2B and Granite-3-8B as their hub configs state them: the fields that make
+    their heads and attention differ from Llama's."""
+    qwen3 = hf_models.config("Qwen3-8B", n_layer=4, n_embd=None, block_size=8192)
+    assert (type(qwen3).__name__, qwen3.hidden_size, qwen3.head_dim, qwen3.num_key_value_heads, qwen3.vocab_size,
+            qwen3.tie_word_embeddings) == ("Qwen3Config", 4096, 128, 8, 151936, False)
+    gemma = hf_models.config("Gemma-2-2B", n_layer=4, n_embd=None, block_size=8192)
+    assert (gemma.hidden_size, gemma.head_dim, gemma.vocab_size, gemma.sliding_window, gemma.final_logit_softcapping,
+            gemma.tie_word_embeddings, gemma.layer_types) == (
+        2304, 256, 256000, 4096, 30.0, True, ["sliding_attention", "full_attention"] * 2)
+    granite = hf_models.config("Granite-3-8B", n_layer=4, n_embd=None, block_size=8192)
+    assert (granite.vocab_size, granite.logits_scaling, granite.tie_word_embeddings) == (49155, 16.0, True)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "Gemma2Config", "gpt2"])
+def test_a_model_type_or_config_class_trains_at_its_default_width_narrowed(name, capsys):
+    """Any causal-LM model type of transformers, or its config class, is a model name: its config
+    class's defaults, narrowed as the registry's models are (an explicit head size follows)."""
+    import torch
+
+    args, _ = cli.parse_args(["--model-source", "transformers", "--model-name", name])
+    assert args.model_name == name
+    assert hf_models.width(name, None).hidden_size == {"gemma2": 2304, "Gemma2Config": 2304, "gpt2": 768}[name]
+    config, built = worker.build_trial_model(_tiny_trial(name), torch.device("cpu"))
+    assert (config.hidden_size, config.num_attention_heads, getattr(config, "head_dim", 64)) == (64, 1, 64)
+    assert len(hf_models.decoder_layers(built)) == 2
+    hf_models.loss_from_labels(built)(torch.randint(0, config.vocab_size, (1, 16)), None).backward()
 
 
 @pytest.mark.parametrize("mode", ["none", "fsdp2"])
@@ -155,10 +187,12 @@ def test_every_backend_wires_a_transformers_model(mode):
     (["--head-unit", "own"], "--head-unit own: a transformers model's head and loss stay in the root's unit"),
     (["--simulate-world-size", "2"], "--simulate-world-size materializes litgpt models only"),
     (["--model-name", "Llama-3-8"], "argument --model-name: 'Llama-3-8' is not a transformers model of the "
-                                    "benchmark; did you mean Llama-3-8B?"),
+                                    "benchmark (a released model's name, or a causal-LM model type or config class); "
+                                    "did you mean Llama-3-8B?"),
     (["--model-name", "stablecode-completion-alpha-3b"], "argument --model-name: 'stablecode-completion-alpha-3b' "
-                                                         "is not a transformers model of the benchmark; one of "
-                                                         "Llama-3-8B, Qwen2.5-7B, Mistral-7B-v0.3"),
+                                                         "is not a transformers model of the benchmark (a released model's name, or "
+                                                         "a causal-LM model type or config class); one of "
+                                                         "Llama-3-8B, Qwen2.5-7B, Qwen3-8B"),
 ])
 def test_flags_a_transformers_model_does_not_take_are_one_line_errors(options, message, capsys):
     assert _usage_error(["--model-source", "transformers", *options], capsys).startswith(

@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                             "(random weights, SDPA, use_cache=False) whose loss is model(input_ids=x, labels=x).loss")
     model.add_argument("--model-name", help="litgpt: a litgpt config name (default "
                        f"{MODEL_NAMES['litgpt'][1]}); transformers: one of {', '.join(hf_models.MODELS)} (default "
-                       f"{MODEL_NAMES[TRANSFORMERS_SOURCE][1]})")
+                       f"{MODEL_NAMES[TRANSFORMERS_SOURCE][1]}), or a causal-LM model type (qwen3) or config class "
+                       "(Qwen3Config) at its default width")
     model.add_argument("--n-layer", type=positive_int, default=8, help="transformer blocks")
     model.add_argument("--n-embd", type=narrow_width, help="narrow to this width (vocabulary 512); if unset: "
                        f"the real width on GPU, {CPU_DEFAULT_N_EMBD} on CPU")
