@@ -149,9 +149,11 @@ class MemoryOptimization(Transform):
             "backward": it recomputes its logits in the backward, in chunks, and holds nothing of
             that size. None: "forward" at ``activation_budget=1.0`` without offload or a memory limit,
             else "backward".
-        memory_limit: the memory the whole step may take, instead of a budget: bytes (an int), a
-            fraction of the CUDA device's total memory (a float in (0, 1]) or "auto" (what the process
-            could allocate at the first compile, less ``fit.AUTO_MARGIN`` of the device's memory).
+        memory_limit: the memory the whole step may take, instead of a budget: bytes (an int, or a
+            float above 1 that is a whole number: ``40e9``), a fraction of the CUDA device's total
+            memory (a float in (0, 1]) or "auto" (what the process could allocate at the first
+            compile, less ``fit.AUTO_MARGIN`` of the device's memory); kept as bytes (an int), a
+            fraction or "auto".
             Each program takes the rung of the recompute ladder with the least modelled recompute
             time whose predicted whole-step peak is under it (thunder_memopt.passes.fit);
             ``check_fit`` after a step compares the measured peak, and plans once more where it is
@@ -178,7 +180,7 @@ class MemoryOptimization(Transform):
         memory_limit: fit.MemoryLimit | None = None,
     ) -> None:
         _check_fraction("activation_budget", activation_budget)
-        fit.check_memory_limit(memory_limit)
+        memory_limit = fit.checked_memory_limit(memory_limit)
         if memory_limit is not None and activation_budget != 1.0:
             raise ValueError(f"memory_limit and activation_budget={activation_budget} each choose the recompute "
                              "plan; give one of them")

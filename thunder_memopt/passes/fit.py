@@ -47,12 +47,14 @@ The recompute time of a rung is its replayed symbols on the roofline of ``core.c
 at ``offload_rates`` where given, else on CUDA the device's measured rates, elsewhere
 ``NOMINAL_RATES``, an H200's datasheet figures, which only rank the rungs.
 
-The limit (``resolve_memory_limit``): an ``int`` is bytes; a ``float`` in (0, 1] a fraction of the
-CUDA device's total memory; ``"auto"`` the memory the process could allocate at the first compile
-(the driver's free memory and what torch's caching allocator holds) less ``AUTO_MARGIN`` of the
-device's total, for the allocator's rounding and fragmentation and what other libraries allocate.
-The last two need a CUDA device. The prediction is of allocated bytes (``max_memory_allocated``),
-not of what the allocator reserves.
+The limit (``checked_memory_limit``, ``resolve_memory_limit``): an ``int``, or a ``float`` above 1
+that is a whole number (``40e9``), is bytes; a ``float`` in (0, 1] a fraction of the CUDA device's
+total memory (so ``1.0`` is all of it, ``1`` one byte); infinity, NaN, zero or less, and a float
+above 1 with a fractional part are one-line errors; ``"auto"`` the memory the process could
+allocate at the first compile (the driver's free memory and what torch's caching allocator holds)
+less ``AUTO_MARGIN`` of the device's total, for the allocator's rounding and fragmentation and
+what other libraries allocate. The last two need a CUDA device. The prediction is of allocated
+bytes (``max_memory_allocated``), not of what the allocator reserves.
 
 Pure functions and frozen results, in the style of ``torch/_inductor/memory.py``; the state across
 programs (the limit, the margin, the counted calls) is ``stages.FitPlanner``'s.
@@ -61,6 +63,7 @@ programs (the limit, the margin, the counted calls) is ``stages.FitPlanner``'s.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,7 +86,7 @@ __all__ = [
     "FitChoice",
     "FitCheck",
     "FitReport",
-    "check_memory_limit",
+    "checked_memory_limit",
     "device_memory",
     "resolve_memory_limit",
     "recompute_seconds",
@@ -99,14 +102,18 @@ AUTO_MARGIN = 0.05
 # no device is measured.
 NOMINAL_RATES = DeviceRates(to_host=55e9, to_device=55e9, flops=989e12, memory=4.8e12)
 
-_KINDS = "bytes (an int > 0), a fraction of the CUDA device's memory (a float in (0, 1]) or 'auto'"
+_KINDS = ("bytes (an int > 0, or a float > 1 that is a whole number: 40e9), a fraction of the CUDA device's "
+          "memory (a float in (0, 1]) or 'auto'")
 
 
-def check_memory_limit(value: object) -> None:
-    """A ``memory_limit`` that can be resolved: a TypeError or ValueError of one line otherwise,
-    where it is built. A fraction or "auto" without any CUDA device is a ValueError here."""
+def checked_memory_limit(value: object) -> MemoryLimit | None:
+    """``value`` as a ``memory_limit``: bytes as an ``int`` (a float above 1 that is a whole number,
+    ``40e9``, is bytes too), a fraction as a ``float`` in (0, 1], or ``"auto"``. A TypeError or
+    ValueError of one line, naming the option, where it is none of these: infinity, NaN, zero or
+    less, a float above 1 with a fractional part. A fraction or "auto" without any CUDA device is a
+    ValueError here."""
     if value is None:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real | str):
         raise TypeError(f"memory_limit must be {_KINDS}, got {value!r}")
     if isinstance(value, str):
@@ -115,12 +122,20 @@ def check_memory_limit(value: object) -> None:
     elif isinstance(value, numbers.Integral):
         if value <= 0:
             raise ValueError(f"memory_limit in bytes must be > 0, got {value}")
-        return
-    elif not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"memory_limit as a fraction of the device's memory must be in (0, 1], got {value}")
+        return int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value) or value <= 0.0:
+            raise ValueError(f"memory_limit must be a finite number above 0, got {value}")
+        if value > 1.0:
+            if not value.is_integer():
+                raise ValueError(f"memory_limit={value} is neither a fraction of the device's memory (in (0, 1]) "
+                                 "nor a whole number of bytes")
+            return int(value)
     if not torch.cuda.is_available():
         raise ValueError(f"memory_limit={value!r} is relative to a CUDA device's memory and there is none; "
                          "give the limit in bytes (an int)")
+    return value
 
 
 @dataclass(frozen=True)
