@@ -64,3 +64,9 @@ def test_bad_limits_on_the_command_line_are_one_line_argparse_errors(text, says)
         arguments.memory_limit(text)
     assert says in str(error.value) and "\n" not in str(error.value)
 
+
+
+@pytest.mark.parametrize("states", [-1, 1.5, True, "2"])
+def test_a_bad_optimizer_states_is_a_one_line_value_error(states):
+    with pytest.raises(ValueError, match="optimizer_states must be an int >= 0"):
+        MemoryOptimization(memory_limit=1 << 30, optimizer_states=states)
