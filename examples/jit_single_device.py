@@ -35,7 +35,7 @@ def main() -> None:
                    help="MemoryOptimization(offload_budget=...) with --offload budget: the share of saved bytes "
                         "left on the GPU (default: --activation-budget)")
     p.add_argument("--memory-limit", type=memory_limit, default=None,
-                   help="MemoryOptimization(memory_limit=...): bytes (40GiB), a fraction of the GPU's memory "
+                   help="MemoryOptimization(memory_limit=...): bytes (40GiB or 4e10), a fraction of the GPU's memory "
                         "(0.9) or auto, instead of --activation-budget")
     args = p.parse_args()
     if args.offload_budget is not None and args.offload != "budget":

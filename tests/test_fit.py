@@ -118,7 +118,7 @@ def test_contradicting_options_are_one_line_errors():
 
 class _Training:
     """Stablecode with one layer (n_embd 256, T=256, bf16) with the loss, under ``thunder.jit`` with
-    ``memopt`` on CPU."""
+    ``memopt`` on CPU, with no optimizer (``optimizer_states=0``)."""
 
     def __init__(self, memopt: MemoryOptimization) -> None:
         config = narrow_config(STABLECODE, n_layer=1, n_embd=256, block_size=256)
@@ -140,7 +140,7 @@ class _Training:
 def _probe() -> fit.FitChoice:
     """A limit of one byte, which nothing fits: the predicted whole-step peak of every rung (the
     lowest is taken, with one warning)."""
-    training = _Training(MemoryOptimization(memory_limit=1))
+    training = _Training(MemoryOptimization(memory_limit=1, optimizer_states=0))
     with pytest.warns(UserWarning, match="no recompute plan fits"):
         training.step()
     (choice,) = training.memopt.fit_report.choices
@@ -162,7 +162,7 @@ def test_on_a_real_ladder_a_lower_limit_never_saves_more_nor_predicts_more():
 def test_the_limit_takes_a_plan_that_fits_where_the_default_does_not_with_the_budgets_numerics():
     probe = _probe()
     limit = probe.predicted_peaks[0] - 1  # the default plan is over by a byte
-    training = _Training(MemoryOptimization(memory_limit=limit))
+    training = _Training(MemoryOptimization(memory_limit=limit, optimizer_states=0))
     fitted = training.step()
     (choice,) = training.memopt.fit_report.choices
     assert choice.rung > 0 and choice.fits and choice.predicted_peaks[0] > limit >= choice.predicted_peak_bytes
@@ -181,7 +181,7 @@ def test_the_limit_takes_a_plan_that_fits_where_the_default_does_not_with_the_bu
 def test_a_step_over_the_limit_is_planned_again_once():
     probe = _probe()
     limit = probe.predicted_peaks[0]  # the default plan fits, just
-    training = _Training(MemoryOptimization(memory_limit=limit))
+    training = _Training(MemoryOptimization(memory_limit=limit, optimizer_states=0))
     memopt, jitted = training.memopt, training.jitted
     first, _, _ = training.step()
     assert memopt.fit_report.choices[0].rung == 0
@@ -222,7 +222,8 @@ def test_a_second_plan_keeps_the_static_term_the_margin_was_measured_against(mon
         total=1 << 40, free=1 << 39, reserved=allocated[0], allocated=allocated[0]))
     pair_peaks = [rung.pair_peak_bytes for rung in probe.rungs]
     limit = allocated[0] + pair_peaks[0]  # the default plan fits, just
-    training = _Training(MemoryOptimization(memory_limit=limit, offload_rates=fit.NOMINAL_RATES))
+    training = _Training(MemoryOptimization(memory_limit=limit, offload_rates=fit.NOMINAL_RATES,
+                                             optimizer_states=0))
     memopt = training.memopt
     training.step()
     assert memopt.fit_report.choices[0].rung == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 
 import torch
 
@@ -63,27 +64,31 @@ _BINARY_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
 def memory_limit(text: str) -> int | float | str:
-    """MemoryOptimization's ``memory_limit``: bytes (an integer, or a number and KiB, MiB, GiB or
-    TiB: ``40GiB``), a fraction of the CUDA device's memory (a number with a point: ``0.9``) or
-    ``auto``."""
+    """MemoryOptimization's ``memory_limit``: bytes (an integer, a number and KiB, MiB, GiB or TiB:
+    ``40GiB``, or a number above 1 that is a whole number: ``4e10``), a fraction of the CUDA device's
+    memory (a number in (0, 1] with a point: ``0.9``) or ``auto`` (``fit.checked_memory_limit``)."""
     try:
         value = _memory_value(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit (bytes, 40GiB, 0.9 or auto)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory limit (bytes: 40GiB or 4e10; a fraction: 0.9; or auto)") from None
     try:
-        fit.check_memory_limit(value)
+        return fit.checked_memory_limit(value)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return value
 
 
 def _memory_value(text: str) -> int | float | str:
-    """``auto``; bytes with a binary unit; an integer as bytes; any other number as a fraction."""
+    """``auto``; bytes with a binary unit (finite and above 0, or a ValueError); an integer as bytes;
+    any other number as ``fit.checked_memory_limit`` reads a float."""
     if text == "auto":
         return text
     for name, size in _BINARY_UNITS.items():
         if text.endswith(name):
-            return int(float(text[:-len(name)]) * size)
+            value = float(text[:-len(name)]) * size
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(text)
+            return int(value)
     return int(text) if text.strip().lstrip("-").isdigit() else float(text)
 
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from thunder.core.trace import TraceCtx
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from thunder_memopt.core.cost import DeviceRates, measure_rates
 from thunder_memopt.core.memory import backward_storages, simulated_strides
@@ -119,13 +122,20 @@ class FitPlanner:
     program compiled again saves under the same names; structurally identical programs compiled
     apart share a key, and count as one program called by each."""
 
-    def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None) -> None:
+    def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None, optimizer_states: int = 2,
+                 parameters: Callable[[], Iterable[torch.Tensor]] = tuple) -> None:
         self.limit, self.rates = limit, rates
+        # The optimizer's states per parameter, and the parameters it steps besides FSDP2's (the
+        # modules jitted with the transform): the first step's terms (``fit.first_step``).
+        self.optimizer_states, self.parameters = optimizer_states, parameters
+        self.states_made = False  # an optimizer has stepped since (its states are allocated)
+        _watch_optimizer_steps(self)
         self.margin_bytes = 0
         self.replanned = False  # whether a check has asked for the second plan
         self.calls: dict[tuple, int] = {}
         self.choices: dict[tuple, fit.FitChoice] = {}
         self.statics: dict[tuple, int] = {}  # each program's static term, from its first plan
+        self.first_steps: dict[tuple, fit.FirstStep] = {}  # and its first step's terms
         self.before: dict[tuple, dict[tuple, int]] = {}  # at each one's first plan, the others' saved per call
         self.device: torch.device | None = None  # the device of the latest program planned
         self.last_check: fit.FitCheck | None = None
@@ -146,11 +156,13 @@ class FitPlanner:
             # prediction made with it. Read again at the recompile, it would count twice what was made
             # in between (AdamW's states, after the first optimizer step), which the margin holds.
             self.statics[key] = estimates[0].forward.input_bytes if memory is None else memory.allocated
+            self.first_steps[key] = self._first_step(memory is not None)
+            self.calls.setdefault(key, self.first_steps[key].calls)
             # What each program planned before this one saved per call then: on CUDA in this one's
             # static term, the allocator's bytes; not in the trace's inputs (CPU, meta).
             self.before[key] = self._saved_per_call() if memory is not None else {}
         saved = self._saved_per_call()
-        terms = fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes)
+        terms = self._terms(key, saved)
         # The later programs that hold this one's saved tensors in their static term (a loss head
         # after the Blocks): their peak at each of this one's rungs.
         later = [p for p in self.choices if p != key and key in self.before[p]]
@@ -163,6 +175,19 @@ class FitPlanner:
         self.choices[key] = choice
         self.device = device
         return choice.rung
+
+    def _first_step(self, allocated_seen: bool) -> fit.FirstStep:
+        """The first step's terms for the program compiled now (``fit.first_step``)."""
+        units = fit.fsdp2_units()
+        # Under FSDP2 the modules' parameters are FSDP2's (or graph inputs, under torch.compile).
+        own = {} if units else {id(p): p for p in self.parameters() if p.requires_grad}
+        return fit.first_step(units, sum(p.numel() * p.element_size() for p in own.values()),
+                              self.optimizer_states, states_made=self.states_made and allocated_seen,
+                              allocated_seen=allocated_seen)
+
+    def _terms(self, key: tuple, saved: dict[tuple, int]) -> fit.StepTerms:
+        return fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes,
+                             self.first_steps[key].bytes)
 
     def _saved_per_call(self) -> dict[tuple, int]:
         """What each program planned so far saves per call at its rung."""
@@ -177,8 +202,7 @@ class FitPlanner:
     def _peak(self, key: tuple, saved: dict[tuple, int]) -> int:
         """Program ``key``'s predicted whole-step peak at its rung, where each program saves ``saved``."""
         choice = self.choices[key]
-        terms = fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes)
-        return terms.peak(choice.rungs[choice.rung])
+        return self._terms(key, saved).peak(choice.rungs[choice.rung])
 
     @staticmethod
     def key(forward: TraceCtx) -> tuple[tuple[str, tuple[int, ...], str], ...]:
@@ -200,6 +224,18 @@ class FitPlanner:
             self.margin_bytes, self.replanned = check.margin_bytes, True
         self.last_check = check
         return check
+
+
+def _watch_optimizer_steps(planner: FitPlanner) -> None:
+    """``planner.states_made`` set at the first step of any optimizer (a global post-hook of
+    torch.optim, removed with the planner: not from inside the hook, while torch iterates them)."""
+    ref = weakref.ref(planner)
+
+    def hook(*_: Any) -> None:
+        if (planner := ref()) is not None:
+            planner.states_made = True
+
+    weakref.finalize(planner, register_optimizer_step_post_hook(hook).remove)
 
 
 class RecomputeStage(Stage):

@@ -149,14 +149,20 @@ class MemoryOptimization(Transform):
             "backward": it recomputes its logits in the backward, in chunks, and holds nothing of
             that size. None: "forward" at ``activation_budget=1.0`` without offload or a memory limit,
             else "backward".
-        memory_limit: the memory the whole step may take, instead of a budget: bytes (an int), a
-            fraction of the CUDA device's total memory (a float in (0, 1]) or "auto" (what the process
-            could allocate at the first compile, less ``fit.AUTO_MARGIN`` of the device's memory).
+        memory_limit: the memory the whole step may take, instead of a budget: bytes (an int, or a
+            float above 1 that is a whole number: ``40e9``), a fraction of the CUDA device's total
+            memory (a float in (0, 1]) or "auto" (what the process could allocate at the first
+            compile, less ``fit.AUTO_MARGIN`` of the device's memory); kept as bytes (an int), a
+            fraction or "auto".
             Each program takes the rung of the recompute ladder with the least modelled recompute
             time whose predicted whole-step peak is under it (thunder_memopt.passes.fit);
             ``check_fit`` after a step compares the measured peak, and plans once more where it is
             over. It chooses what ``activation_budget`` would, so a budget below 1.0 with it is a
             ValueError; offload, where asked for, runs on the rung it chose.
+        optimizer_states: with ``memory_limit``, the tensors the optimizer keeps per parameter,
+            each of the parameter's (under FSDP2, its local shard's) size and dtype, made at its
+            first step: 2 for Adam and AdamW, 1 for SGD with momentum, 0 for none. Counted in the
+            first plan of the programs compiled before any optimizer's first step (on CPU, always).
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
     replays run in the forward's compiled regions and the loss head is fused; with Thunder's
@@ -176,9 +182,13 @@ class MemoryOptimization(Transform):
         host_memory_limit: HostMemoryLimit = "auto",
         head_gradients: str | None = None,
         memory_limit: fit.MemoryLimit | None = None,
+        optimizer_states: int = 2,
     ) -> None:
         _check_fraction("activation_budget", activation_budget)
-        fit.check_memory_limit(memory_limit)
+        memory_limit = fit.checked_memory_limit(memory_limit)
+        if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, numbers.Integral) \
+                or optimizer_states < 0:
+            raise ValueError(f"optimizer_states must be an int >= 0 (AdamW: 2), got {optimizer_states!r}")
         if memory_limit is not None and activation_budget != 1.0:
             raise ValueError(f"memory_limit and activation_budget={activation_budget} each choose the recompute "
                              "plan; give one of them")
@@ -215,7 +225,10 @@ class MemoryOptimization(Transform):
             set_host_memory_limit(host_memory_limit)  # the process's pinned memory, as the limit bounds it
         self.head_gradients = head_gradients
         self.memory_limit = memory_limit
-        self._fit = None if memory_limit is None else FitPlanner(memory_limit, offload_rates)
+        self.optimizer_states = int(optimizer_states)
+        self._fit = None if memory_limit is None else FitPlanner(
+            memory_limit, offload_rates, self.optimizer_states,
+            lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()))
         self._modules: list[weakref.ref[ThunderModule]] = []  # those jitted with this instance
         self._schedule = ScheduleStage()
         self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)

@@ -9,7 +9,7 @@ taken (``choose_by_limit``). Where none does, the lowest predicted peak is taken
 
 The whole step's predicted peak, for one rung of one program (``StepTerms.peak``)::
 
-    static + (calls - 1) * saved + pair_peak + margin
+    static + first_step + (calls - 1) * saved + pair_peak + margin
 
 - ``static``: what is resident before the program runs and stays through the step. On CUDA,
   ``torch.cuda.memory_allocated`` at the program's first compile, which is exact for what exists
@@ -17,15 +17,22 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   FSDP2, its sharded parameters and the unsharded and prefetched ones allocated by then, and the
   saved tensors of the programs that ran before it in the step (a head compiled after every Block
   has run counts every Block's). Elsewhere (CPU, meta) the bytes of the forward's inputs, from the
-  trace: parameters, buffers and the batch. Optimizer states made only at the first optimizer step
-  (AdamW's), and FSDP2's buffers allocated after the compile (the later Blocks' all-gathers, the
-  backward's reduce-scatters), are in no term: the check after a step measures them. A program
+  trace: parameters, buffers and the batch. A program
   planned again, or one structurally identical to it compiled apart, keeps the static term of its
   first plan, against which the check's margin was measured (``stages.FitPlanner``).
+- ``first_step``: what the step holds at its peak that the first compile does not see allocated
+  (``FirstStep``, ``first_step``): the optimizer's states, ``optimizer_states`` per parameter (AdamW's
+  two, in the parameters' dtype), made at its first step, over the parameters of the modules jitted
+  with the transform or FSDP2's local shards; and, from FSDP2's state (``fsdp2_units``), the
+  gathered parameters of the units that hold them at the peak less those gathered by the compile
+  (on CPU, where the static term is the program's inputs, the local shards too). Not counted: FSDP2's
+  reduce-scatter buffers (one in flight, after a unit's backward, when its saved tensors are freed)
+  and the optimizer step's own temporaries. The check after a step stays as a guard.
 - ``saved``: the bytes one call of the program saves for its backward at this rung (storages,
   parameters excluded: ``RecomputePlan.saved_bytes_after``). The other ``calls - 1`` calls of the
   same program in a step hold theirs while the last call's backward runs.
-- ``calls``: how many times the program runs per step. At its first compile it is taken as 1,
+- ``calls``: how many times the program runs per step. At its first compile, under FSDP2, the
+  units alike the one whose forward runs (their parameters' shapes and dtypes: the Blocks); else 1,
   which is exact under ``thunder.jit`` (the model is one program). ``MemoryOptimization.check_fit``
   counts each program's calls from Thunder's compile statistics (``thunder.compile_stats(fn).calls``,
   over the calls of the program called least: the model's under thunder.jit, the loss's under
@@ -47,12 +54,14 @@ The recompute time of a rung is its replayed symbols on the roofline of ``core.c
 at ``offload_rates`` where given, else on CUDA the device's measured rates, elsewhere
 ``NOMINAL_RATES``, an H200's datasheet figures, which only rank the rungs.
 
-The limit (``resolve_memory_limit``): an ``int`` is bytes; a ``float`` in (0, 1] a fraction of the
-CUDA device's total memory; ``"auto"`` the memory the process could allocate at the first compile
-(the driver's free memory and what torch's caching allocator holds) less ``AUTO_MARGIN`` of the
-device's total, for the allocator's rounding and fragmentation and what other libraries allocate.
-The last two need a CUDA device. The prediction is of allocated bytes (``max_memory_allocated``),
-not of what the allocator reserves.
+The limit (``checked_memory_limit``, ``resolve_memory_limit``): an ``int``, or a ``float`` above 1
+that is a whole number (``40e9``), is bytes; a ``float`` in (0, 1] a fraction of the CUDA device's
+total memory (so ``1.0`` is all of it, ``1`` one byte); infinity, NaN, zero or less, and a float
+above 1 with a fractional part are one-line errors; ``"auto"`` the memory the process could
+allocate at the first compile (the driver's free memory and what torch's caching allocator holds)
+less ``AUTO_MARGIN`` of the device's total, for the allocator's rounding and fragmentation and
+what other libraries allocate. The last two need a CUDA device. The prediction is of allocated
+bytes (``max_memory_allocated``), not of what the allocator reserves.
 
 Pure functions and frozen results, in the style of ``torch/_inductor/memory.py``; the state across
 programs (the limit, the margin, the counted calls) is ``stages.FitPlanner``'s.
@@ -61,6 +70,7 @@ programs (the limit, the margin, the counted calls) is ``stages.FitPlanner``'s.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,15 +90,19 @@ __all__ = [
     "DeviceMemory",
     "RungCost",
     "StepTerms",
+    "Fsdp2Unit",
+    "FirstStep",
     "FitChoice",
     "FitCheck",
     "FitReport",
-    "check_memory_limit",
+    "checked_memory_limit",
     "device_memory",
     "resolve_memory_limit",
     "recompute_seconds",
     "choose_by_limit",
     "check_fit",
+    "fsdp2_units",
+    "first_step",
 ]
 
 MemoryLimit = int | float | str
@@ -99,14 +113,18 @@ AUTO_MARGIN = 0.05
 # no device is measured.
 NOMINAL_RATES = DeviceRates(to_host=55e9, to_device=55e9, flops=989e12, memory=4.8e12)
 
-_KINDS = "bytes (an int > 0), a fraction of the CUDA device's memory (a float in (0, 1]) or 'auto'"
+_KINDS = ("bytes (an int > 0, or a float > 1 that is a whole number: 40e9), a fraction of the CUDA device's "
+          "memory (a float in (0, 1]) or 'auto'")
 
 
-def check_memory_limit(value: object) -> None:
-    """A ``memory_limit`` that can be resolved: a TypeError or ValueError of one line otherwise,
-    where it is built. A fraction or "auto" without any CUDA device is a ValueError here."""
+def checked_memory_limit(value: object) -> MemoryLimit | None:
+    """``value`` as a ``memory_limit``: bytes as an ``int`` (a float above 1 that is a whole number,
+    ``40e9``, is bytes too), a fraction as a ``float`` in (0, 1], or ``"auto"``. A TypeError or
+    ValueError of one line, naming the option, where it is none of these: infinity, NaN, zero or
+    less, a float above 1 with a fractional part. A fraction or "auto" without any CUDA device is a
+    ValueError here."""
     if value is None:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real | str):
         raise TypeError(f"memory_limit must be {_KINDS}, got {value!r}")
     if isinstance(value, str):
@@ -115,12 +133,20 @@ def check_memory_limit(value: object) -> None:
     elif isinstance(value, numbers.Integral):
         if value <= 0:
             raise ValueError(f"memory_limit in bytes must be > 0, got {value}")
-        return
-    elif not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"memory_limit as a fraction of the device's memory must be in (0, 1], got {value}")
+        return int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value) or value <= 0.0:
+            raise ValueError(f"memory_limit must be a finite number above 0, got {value}")
+        if value > 1.0:
+            if not value.is_integer():
+                raise ValueError(f"memory_limit={value} is neither a fraction of the device's memory (in (0, 1]) "
+                                 "nor a whole number of bytes")
+            return int(value)
     if not torch.cuda.is_available():
         raise ValueError(f"memory_limit={value!r} is relative to a CUDA device's memory and there is none; "
                          "give the limit in bytes (an int)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -173,10 +199,102 @@ class StepTerms:
     static_bytes: int
     calls: int = 1
     margin_bytes: int = 0
+    # What the step holds at its peak that is not allocated at the first compile (``FirstStep``).
+    first_step_bytes: int = 0
 
     def peak(self, rung: RungCost) -> int:
         """The whole step's predicted peak at ``rung``."""
-        return self.static_bytes + (self.calls - 1) * rung.saved_bytes + rung.pair_peak_bytes + self.margin_bytes
+        return (self.static_bytes + self.first_step_bytes + (self.calls - 1) * rung.saved_bytes
+                + rung.pair_peak_bytes + self.margin_bytes)
+
+
+@dataclass(frozen=True)
+class Fsdp2Unit:
+    """One FSDP2 unit (parameter group) of this process, in this rank's bytes."""
+
+    sharded_bytes: int  # its parameters' local shards (padded)
+    unsharded_bytes: int  # its parameters all-gathered (padded), in the dtype they are gathered in
+    unsharded_now: int  # of those, allocated now
+    optimized_bytes: int  # the local shards of its parameters that require grad
+    reshard_after_forward: bool
+    root: bool
+    running: bool  # its forward is running now (the program compiled now is in it)
+    signature: tuple  # its parameters' shapes and dtypes: units alike run one compiled program
+
+
+def fsdp2_units() -> tuple[Fsdp2Unit, ...]:
+    """The FSDP2 units of the model whose forward runs now (``fully_shard``), read from FSDP2's state;
+    where none runs, every unit of the process; () where there are none."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    states = [s for ref in list(_module_state_mapping.values()) if isinstance(s := ref(), FSDPState)]
+    # The root whose forward runs (FSDP2 sets it at the root's pre-forward) knows its model's units.
+    roots = {id(root): root for s in states if (root := s._state_ctx.iter_forward_root) is not None}
+    if len(roots) == 1:
+        states = [s for s in next(iter(roots.values()))._state_ctx.all_states if isinstance(s, FSDPState)]
+    units = []
+    for state in states:
+        group = state._fsdp_param_group
+        if group is None:
+            continue
+        sharded = unsharded = now = optimized = 0
+        for param in group.fsdp_params:
+            local = param._sharded_param_data
+            dtype = param.param_dtype or param.orig_dtype
+            gathered = local.numel() * group.mesh_info.shard_mesh_size * dtype.itemsize
+            sharded += local.numel() * local.element_size()
+            unsharded += gathered
+            now += sum(t.untyped_storage().nbytes() for t in param.all_gather_outputs)
+            optimized += local.numel() * local.element_size() if param.sharded_param.requires_grad else 0
+        units.append(Fsdp2Unit(
+            sharded_bytes=sharded, unsharded_bytes=unsharded, unsharded_now=now, optimized_bytes=optimized,
+            reshard_after_forward=group.post_forward_mesh_info is not None, root=bool(state._is_root),
+            running=group._training_state == TrainingState.FORWARD,
+            signature=tuple((tuple(p.sharded_param.shape), p.orig_dtype) for p in group.fsdp_params)))
+    return tuple(units)
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """What the step holds at its peak and the first compile does not see allocated: the optimizer's
+    states, made at its first step, and FSDP2's buffers allocated after the compile. The peak is
+    taken where the existing terms put it, in the backward of the last unit's program, with every
+    call's saved tensors alive: there, under FSDP2, every unit that keeps its parameters after the
+    forward (zero2, and the root) holds them unsharded, and of those resharded after the forward
+    (zero3), the unit in its backward and the one prefetched."""
+
+    optimizer_state_bytes: int
+    fsdp2_bytes: int
+    calls: int  # the calls per step of the program compiled now: the FSDP2 units alike the running one
+
+    @property
+    def bytes(self) -> int:
+        return self.optimizer_state_bytes + self.fsdp2_bytes
+
+
+def first_step(units: Sequence[Fsdp2Unit], optimized_bytes: int, optimizer_states: int, *,
+               states_made: bool, allocated_seen: bool) -> FirstStep:
+    """The ``FirstStep`` terms for a program compiled now. ``optimized_bytes``: the parameters the
+    optimizer steps, other than FSDP2's (the model's, under ``thunder.jit``); ``optimizer_states``:
+    the states it keeps per parameter (AdamW's two), made at its first step unless ``states_made``.
+    ``allocated_seen``: the static term is the allocator's bytes now (CUDA), which hold FSDP2's
+    local shards and what it has gathered by now; else (CPU, meta) it is the program's inputs, which
+    hold the running unit's gathered parameters only."""
+    optimized = optimized_bytes + sum(u.optimized_bytes for u in units)
+    states = 0 if states_made else optimizer_states * optimized
+    kept = sum(u.unsharded_bytes for u in units if u.root or not u.reshard_after_forward)
+    resharded = sorted((u.unsharded_bytes for u in units if not u.root and u.reshard_after_forward), reverse=True)
+    at_peak = kept + sum(resharded[:2])
+    running = [u for u in units if u.running and not u.root] or [u for u in units if u.running]
+    if allocated_seen:
+        fsdp2 = max(0, at_peak - sum(u.unsharded_now for u in units))
+    else:
+        fsdp2 = sum(u.sharded_bytes for u in units) + max(0, at_peak - sum(u.unsharded_bytes for u in running[-1:]))
+    own = running[-1].signature if running and not running[-1].root else None
+    calls = sum(u.signature == own for u in units) if own is not None else 1
+    return FirstStep(optimizer_state_bytes=states, fsdp2_bytes=fsdp2, calls=calls)
 
 
 @dataclass(frozen=True)
