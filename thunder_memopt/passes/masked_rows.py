@@ -30,7 +30,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_memopt.passes.causal_mask import _Values, is_causal_mask
 
-__all__ = ["zero_fully_masked_rows", "may_hide_every_key"]
+__all__ = ["zero_fully_masked_rows"]
 
 P = prims.PrimIDs
 _SDPA = inspect.signature(ltorch.scaled_dot_product_attention.meta)
@@ -90,7 +90,7 @@ _RULES: dict[object, Callable[[_NoNegativeInfinity, dict, TensorProxy], bool]] =
 }
 
 
-def may_hide_every_key(causal: _Values, finite: _NoNegativeInfinity, mask) -> bool:
+def _may_hide_every_key(causal: _Values, finite: _NoNegativeInfinity, mask) -> bool:
     """Whether some row of ``mask`` may hide every key from its query, by how the mask is made."""
     if dtypes.is_boolean_dtype(mask.dtype):
         return not is_causal_mask(causal, mask)
@@ -120,7 +120,7 @@ def zero_fully_masked_rows(trace: TraceCtx) -> TraceCtx:
     if not attentions:
         return trace
     causal, finite = _Values(trace), _NoNegativeInfinity(trace)
-    attentions = [(b, a) for b, a in attentions if may_hide_every_key(causal, finite, a["attn_mask"])]
+    attentions = [(b, a) for b, a in attentions if _may_hide_every_key(causal, finite, a["attn_mask"])]
     if not attentions:
         return trace
     new = from_trace(trace)
