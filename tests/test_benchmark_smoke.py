@@ -68,8 +68,8 @@ def check_a_row_per_backend_with_every_field(rows: list[dict]) -> None:
     assert rows[-1]["budget"] == 1.0
     # The passes' compile-time cost is reported; on CPU the fusion executor (CUDA's) claims nothing,
     # and the transform still takes its (absent) regions apart and fuses again.
-    assert set(rows[-1]["memopt_pass_s"]) == {"causal_mask", "loss_head", "recompute", "fusion", "collectives",
-                                              "schedule", "donate"}
+    assert set(rows[-1]["memopt_pass_s"]) == {"causal_mask", "masked_rows", "loss_head", "recompute", "fusion",
+                                              "collectives", "schedule", "donate"}
     assert rows[-1]["executors"][:3] == ["memopt_linear_cross_entropy", "memopt_cudnn_attention", "memopt_fusion"]
     assert rows[-1]["fusion_functions"] == 0 and rows[-1]["memopt_donated_outputs"] == 0  # no regions on CPU
     assert all(seconds >= 0 for seconds in rows[-1]["memopt_pass_s"].values())

@@ -86,9 +86,10 @@ def test_checker_proves_causal_only_the_masks_made_causal_and_no_attention_chang
         assert torch.equal(mask, torch.broadcast_to(_causal(), mask.shape))
         (attention,) = [b for b in rewritten[0].bound_symbols if b.sym.name == "scaled_dot_product_attention"]
         assert attention.args[3] is None and attention.args[5] is True
-    # Bit for bit; a mask below the diagonal leaves the first query nothing to see: NaN either way.
+    # Bit for bit where plain Thunder is finite. A mask below the diagonal leaves the first query
+    # nothing to see: NaN in plain Thunder, SDPA's zeros with the masked_rows pass (tests/test_padding.py).
     for a, b in zip([memopt[0], *memopt[1]], [plain[0], *plain[1]]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        assert a.isfinite().all() and torch.equal(a[b.isfinite()], b[b.isfinite()])
 
 
 def test_a_padding_mask_from_the_caller_is_not_proven_and_keeps_its_meaning():

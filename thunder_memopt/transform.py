@@ -1,10 +1,13 @@
 """``MemoryOptimization``: the thunder.Transform that wires thunder_memopt's passes in order.
 
-Before Thunder's autodiff, the computation trace goes through two passes, in order:
+Before Thunder's autodiff, the computation trace goes through three passes, in order:
 
 - ``causal_mask``: where ``cudnn_attention_ex`` is in the executor list, each attention whose mask
   the ops that make it prove causal is called with ``is_causal=True`` and no mask, so that a fast
   kernel takes it (thunder_memopt.passes.causal_mask).
+- ``masked_rows``: each attention whose mask may hide every key from a query (padding) gives that
+  query zeros, as torch's SDPA does, where Thunder's decomposition gives NaN
+  (thunder_memopt.passes.masked_rows).
 - ``loss_head``: where ``linear_cross_entropy_ex`` is in the executor list, each
   ``linear -> cross_entropy`` becomes the fused loss head, which never holds the logits (where the
   model also returns them, as transformers' models do, never their fp32 copy, log-softmax or
@@ -80,7 +83,7 @@ from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex
 from thunder_memopt.executors.fusion import InductorFusionExecutor, compile_ahead
 from thunder_memopt.executors.offload import HostMemoryLimit, check_host_memory_limit, set_host_memory_limit
-from thunder_memopt.passes import causal_mask, collectives, fit, loss_head, schedule
+from thunder_memopt.passes import causal_mask, collectives, fit, loss_head, masked_rows, schedule
 from thunder_memopt.passes import offload as offload_module
 from thunder_memopt.stages import (
     CollectivesStage,
@@ -100,7 +103,7 @@ __all__ = ["MemoryOptimization", "PASSES", "HEAD_GRADIENTS"]
 
 _T = TypeVar("_T")
 
-PASSES = ("causal_mask", "loss_head", "recompute", "collectives", "schedule", "donate")
+PASSES = ("causal_mask", "masked_rows", "loss_head", "recompute", "collectives", "schedule", "donate")
 # Where the fused loss head computes its gradients (MemoryOptimization's head_gradients).
 HEAD_GRADIENTS = ("forward", "backward")
 
@@ -318,6 +321,11 @@ class MemoryOptimization(Transform):
                                    lambda: causal_mask.causal_attention(computation_trace))
             if causal is not None:
                 computation_trace = causal
+        if "masked_rows" in self.passes:
+            finite = self._guarded("masked_rows", "fully masked rows as Thunder computes them (NaN)",
+                                   lambda: masked_rows.zero_fully_masked_rows(computation_trace))
+            if finite is not None:
+                computation_trace = finite
         if "loss_head" in self.passes and linear_cross_entropy_ex in executors_list:
             # At budget 1.0 (time first) the head computes its gradients in the forward, one matmul
             # less, through a logits' gradient buffer of tokens x vocabulary. Below it, with offload
