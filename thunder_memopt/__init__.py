@@ -2,7 +2,9 @@
 that make it as fast as torch.compile without nvFuser.
 
 Enable with ``thunder.jit(model, executors=thunder_memopt.executors(), transforms=[MemoryOptimization()])``
-or, under ``torch.compile``/FSDP2, with ``torch.compile(model, backend=thunderfx_backend())``.
+or, under ``torch.compile``/FSDP2, with ``torch.compile(model, backend=thunderfx_backend())`` or, once
+installed, ``backend="thunder_memopt"`` (thunder_memopt.named_backend, which this import also adds to
+accelerate's backend names, for transformers' Trainer).
 
 ``__version__`` is the installed distribution's, whose one source is pyproject.toml.
 """
@@ -12,6 +14,7 @@ import importlib.metadata
 from thunder_memopt import executors  # the package, callable: executors() is the executor list
 from thunder_memopt.backend import thunderfx_backend
 from thunder_memopt.core.cost import DeviceRates
+from thunder_memopt.named_backend import add_name_to_accelerate
 from thunder_memopt.transform import PASSES, MemoryOptimization
 
 __all__ = [
@@ -21,6 +24,8 @@ __all__ = [
     "executors",
     "thunderfx_backend",
 ]
+
+add_name_to_accelerate()
 
 try:
     __version__ = importlib.metadata.version("thunder-memopt")
