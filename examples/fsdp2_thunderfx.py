@@ -47,13 +47,16 @@ def shard(gpt: torch.nn.Module, root: torch.nn.Module, on_gpu: bool, reshard_aft
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b")
     p.add_argument("--n-layer", type=positive_int, default=2)
     p.add_argument("--block-size", type=positive_int, default=None, help="default: 4096 on GPU, 128 on CPU")
     p.add_argument("--steps", type=positive_int, default=3)
     p.add_argument("--zero3", action="store_true", help="reshard after forward")
     args = p.parse_args()
+    if "RANK" not in os.environ:  # else init_process_group's ValueError, deep in torch
+        raise SystemExit(f"{p.prog}: FSDP2 needs a process per rank; run it under torchrun: "
+                         "torchrun --nproc-per-node 2 examples/fsdp2_thunderfx.py")
 
     on_gpu = torch.cuda.is_available()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

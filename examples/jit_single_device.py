@@ -22,7 +22,7 @@ from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, rando
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-name", type=litgpt_model_name, default="stablecode-completion-alpha-3b")
     p.add_argument("--n-layer", type=positive_int, default=2)
     p.add_argument("--block-size", type=positive_int, default=None, help="default: 2048 on GPU, 256 on CPU")

@@ -35,6 +35,7 @@ def test_single_device_flags_are_memory_optimizations_option_names():
     flags = set(re.findall(r"--[\w-]+", finished.stdout))
     assert {"--activation-budget", "--offload", "--offload-budget"} <= flags, flags
     assert "--budget" not in flags
+    assert "on CPU (where the fusion executor, CUDA's, claims nothing)." in " ".join(finished.stdout.split())
 
 
 @pytest.mark.parametrize("example", sorted(COMMANDS))

@@ -10,6 +10,12 @@ accelerate's backend names, for transformers' Trainer).
 """
 
 import importlib.metadata
+import warnings
+
+with warnings.catch_warnings():
+    # Thunder 0.2.6 warns at import where transformer_engine is missing; thunder_memopt does not use it.
+    warnings.filterwarnings("ignore", message="transformer_engine module not found", category=UserWarning)
+    import thunder  # noqa: F401
 
 from thunder_memopt import executors  # the package, callable: executors() is the executor list
 from thunder_memopt.backend import thunderfx_backend

@@ -3,7 +3,7 @@ transformers causal LMs (``--model-source``).
 
 What it measures: over ``--warmup`` then ``--iters`` steps of forward, cross-entropy loss, backward
 and AdamW step, the peak allocated and reserved CUDA memory (rank 0 and the maximum over ranks), the
-median step time and tokens/s/GPU, the bytes saved for backward per layer, the first step's time
+median step time and tokens/s per rank, the bytes saved for backward per layer, the first step's time
 (compilation), and the last step's loss; a row per (block size, backend, budget), each in fresh
 processes (``driver``). The backends are ``backends.BACKENDS``. Sharding: FSDP2 (``fully_shard``),
 Thunder's own FSDP, or none.
@@ -61,10 +61,18 @@ def memory_limit_gib(text: str) -> float | str:
 BUDGET_TYPES = {backends.FRACTION: fraction, backends.MEMORY: memory_limit_gib}
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: ...)" after each help, except where the default is None: there the help
+    says what an unset flag does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     """The command line, checked: a bad value is a usage error (exit 2) here, before any work."""
     parser = argparse.ArgumentParser(prog="benchmark_fsdp2.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_DefaultsHelpFormatter)
 
     model = parser.add_argument_group("model")
     model.add_argument("--model-source", choices=MODEL_SOURCES, default="litgpt",
@@ -82,12 +90,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     model.add_argument("--micro-batch-size", type=positive_int, default=1, help="sequences per rank and step")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameters and compute")
     model.add_argument("--loss-mode", choices=LOSS_MODES, default="in-graph",
-                       help="in-graph: the cross-entropy inside the compiled module (default), or in-graph-fp32 "
+                       help="in-graph: the cross-entropy inside the compiled module, or in-graph-fp32 "
                             "there on logits.float(); after it, in eager, "
                             "with the logits held through the step as a training loop holds them: litgpt "
                             "(litgpt's chunked_cross_entropy) or outside-fp32 (cross_entropy of logits.float())")
     model.add_argument("--optimizer", choices=OPTIMIZERS, default="foreach",
-                       help="AdamW's implementation, the same for every backend: foreach (default; its step "
+                       help="AdamW's implementation, the same for every backend: foreach (its step "
                             "allocates a temporary the size of all parameters, a peak no backend can lower) or "
                             "fused (none)")
     model.add_argument("--autocast", action="store_true",

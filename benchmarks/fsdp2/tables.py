@@ -130,7 +130,7 @@ RUN_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("peak reserved GiB, max", lambda r: number(r.get("peak_reserved_max"), ".2f", GIB)),
     ("host peak GiB, RSS / pinned, max", lambda r: gib_pair(r, "host_rss_peak_max", "host_pinned_peak_max")),
     ("step ms", lambda r: number(r.get("step_ms"), ".0f")),
-    ("tokens/s/GPU", lambda r: number(r.get("tokens_per_s_per_gpu"), ",.0f")),
+    ("tokens/s/rank", lambda r: number(r.get("tokens_per_s_per_gpu"), ",.0f")),
     ("saved MiB/layer", saved_mib),
     ("saved h-bytes", lambda r: number(r.get("saved_h_bytes"), ".1f")),
     ("first step s", lambda r: number(r.get("first_step_s"), ".1f")),
@@ -472,7 +472,7 @@ def describe_row(row: dict) -> str:
         pinned = row.get("host_pinned_peak_max")
         memory += (f"; host: peak RSS {row['host_rss_peak_max'] / GIB:.2f} GiB"
                    + ("" if pinned is None else f", pinned {pinned / GIB:.2f} GiB") + " (max over ranks)")
-    parts = [f"ok: {memory}", f"{row['step_ms']:.0f} ms/step", f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU",
+    parts = [f"ok: {memory}", f"{row['step_ms']:.0f} ms/step", f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s/rank",
              f"loss {row['loss']:.4f}", f"first step {row['first_step_s']:.1f} s"]
     if row.get("sim_step_ms") is not None:
         parts.append(f"SIMULATED rank 0 of {row['world_size']}: measured compute {row['sim_compute_ms']:.0f} ms, "

@@ -479,10 +479,15 @@ def _warn_of_kept_once() -> None:
     if _kept and not _host.warned:
         _host.warned = True
         kept = sum(nbytes for _, nbytes in _kept.values())
-        warnings.warn(f"thunder_memopt: offload kept {kept / 2**20:.1f} MiB of saved tensors on the device: "
+        warnings.warn(f"thunder_memopt: offload kept {_size(kept)} of saved tensors on the device: "
                       f"their copies would have taken its pinned host memory past host_memory_limit "
-                      f"({host_memory_limit() / 2**20:.1f} MiB); raise MemoryOptimization(host_memory_limit=...) "
+                      f"({_size(host_memory_limit())}); raise MemoryOptimization(host_memory_limit=...) "
                       "to offload them (warned once)")
+
+
+def _size(nbytes: int) -> str:
+    """MiB to one decimal, or bytes where that would read 0.0 MiB."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 // 10 else f"{nbytes} bytes"
 
 
 def _prefetch_next(device: str) -> None:

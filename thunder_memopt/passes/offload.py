@@ -27,8 +27,9 @@ the backward of a program like it (a Block's under FSDP2), its first reload star
 (the executor's prefetch across programs), and the reloads are modeled in that steady state.
 ``OffloadMode``: ``auto``
 offloads only what hides; ``budget`` also offloads, largest first, what it must for at most
-``budget`` of the saved bytes to stay on the GPU (all of it at 0.0; MemoryOptimization's
-``offload_budget``, which defaults to its ``activation_budget``).
+``budget`` of the saved bytes to stay on the GPU (MemoryOptimization's ``offload_budget``, which
+defaults to its ``activation_budget``). The budget counts every saved byte, but only tensors of at
+least ``min_bytes`` (``MIN_BYTES``, 1 MiB) are candidates: at 0.0 the smaller ones stay.
 
 The memory model counts what is on the GPU: a host copy takes no device bytes, a reloaded tensor
 its bytes from its reload on.
