@@ -166,7 +166,7 @@ def _one_line_usage_error(parse, argv, capsys) -> str:
         (["--train-steps", "-1"], "--train-steps"),
         (["--top", "-1"], "--top"),
         (["--budget", "1.5"], "--budget"),
-        (["--n-layer", "1"], "--n-layer"),
+        (["--n-layer", "0"], "--n-layer"),
         # Mixture of experts: thunder.jit (the report's) cannot trace it; ThunderCompiler can.
         (["--model-name", "Mixtral-8x7B-v0.1"], "--model-name Mixtral-8x7B-v0.1 is a mixture-of-experts model"),
         (["--model-name", "Qwen3-30B-A3B"], "ThunderCompiler"),
@@ -390,12 +390,12 @@ def test_report_measures_memory_optimization_on_the_recommended_executors(monkey
 
     measured = {}
 
-    def measure_column(name, args, transforms_factory, layer_counts, executor_list=None):
+    def measure_column(name, args, transforms_factory, executor_list=None):
         measured[name] = executor_list
         return name
 
     monkeypatch.setattr(report, "measure_column", measure_column)
-    monkeypatch.setattr(report, "format_report", lambda args, columns, layer_counts: "")
+    monkeypatch.setattr(report, "format_report", lambda args, columns: "")
     report.main(["--train-steps", "0"])
     plain, optimized = measured.values()
     assert plain is None and optimized == thunder_memopt.executors()

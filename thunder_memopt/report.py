@@ -2,10 +2,11 @@
 MemoryOptimization on the recommended executors (``thunder_memopt.executors()``: the fused loss
 head; the fusion executor's regions on CUDA), and the estimated and measured peak of a training step.
 
-Saved bytes per layer come from the marginal between two layer counts, so that the embedding and
-the head do not distort them, and are also given in h-bytes per token per layer: bytes divided by
-tokens x n_embd. Everything printed is computed from the real traces and from
-``saved_tensors_hooks`` during a real forward; nothing is typed in.
+Saved bytes per layer are those of the Blocks' ops in the one forward trace of the whole model,
+one plan (``saved_bytes_by_layer``), so that the embedding and the head do not distort them, and
+are also given in h-bytes per token per layer: bytes divided by tokens x n_embd. Everything
+printed is computed from the real traces and from ``saved_tensors_hooks`` during a real forward;
+nothing is typed in.
 
 The report runs ``thunder.jit``, which cannot trace mixture-of-experts models (``torch.where`` with
 a condition alone): those are refused up front, and train through ``thunderfx_backend()``.
@@ -14,6 +15,7 @@ a condition alone): those are refused up front, and train through ``thunderfx_ba
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,12 +25,16 @@ import torch
 
 from thunder_memopt import executors
 from thunder_memopt.arguments import device_name, fraction, litgpt_model_name, narrow_width, non_negative_int, positive_int
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+
 from thunder_memopt.core.memory import SavedInventory, estimate_step, saved_for_backward
+from thunder_memopt.core.trace import tensor_outs
 from thunder_memopt.measure import measure_saved, peak_live_bytes
 from thunder_memopt.models import DTYPES, GPTWithLoss, build_model, narrow_config, random_batch, training_step
 from thunder_memopt.transform import MemoryOptimization
 
-__all__ = ["Column", "measure_column", "main"]
+__all__ = ["Column", "measure_column", "saved_bytes_by_layer", "main"]
 
 GiB = 2**30
 MiB = 2**20
@@ -36,57 +42,82 @@ MiB = 2**20
 
 @dataclass(frozen=True)
 class Column:
-    """One setup (plain Thunder or MemoryOptimization) measured at two layer counts."""
+    """One setup (plain Thunder or MemoryOptimization) measured on the model."""
 
     name: str
-    saved_small: int  # measured saved bytes at the smaller layer count
-    saved_large: int
-    inventory: SavedInventory  # at the larger layer count
-    estimated_peak: int  # forward + backward, activations and gradients, larger layer count
+    saved_by_layer: tuple[int, ...]  # saved bytes of each Block's ops (saved_bytes_by_layer)
+    inventory: SavedInventory
+    estimated_peak: int  # forward + backward, activations and gradients
     peak_phase: str
     measured_peak: int  # above what was alive before the step: CUDA max allocated, or live tensor bytes on CPU
     compile_seconds: float
     schedule: tuple  # thunder_memopt.passes.schedule.ScheduleResult of the forward and backward, if it ran
 
 
-def measure_column(name: str, args: argparse.Namespace, transforms_factory, layer_counts: Sequence[int],
+def measure_column(name: str, args: argparse.Namespace, transforms_factory,
                    executor_list: Sequence | None = None) -> Column:
-    """Saved bytes at both layer counts, inventory and peaks at the larger, under thunder.jit with
+    """Saved bytes, by layer and in all, and peaks of the model under thunder.jit with
     ``executor_list`` (None: Thunder's defaults)."""
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
-    saved, result = [], None
-    for n_layer in layer_counts:
-        cfg = narrow_config(args.model_name, n_layer=n_layer, n_embd=args.n_embd, block_size=args.block_size)
-        model = build_model(cfg, dtype=dtype, device=device)
-        x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device)
-        transforms = transforms_factory()
-        jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), executors=executor_list, transforms=transforms)
-        start = time.perf_counter()
-        measured = measure_saved(jitted, x, y, parameters=[*model.parameters(), *model.buffers()])
-        seconds = time.perf_counter() - start
-        saved.append(measured.activation_bytes)
-        if n_layer == layer_counts[-1]:
-            loss = measured.output
-            del measured
-            loss.backward()
-            fw, bw = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
-            est = estimate_step(fw, bw)
-            schedule = tuple(r for t in transforms for r in getattr(t, "schedule_results", ()))
-            result = (saved_for_backward(fw), est, _measured_peak(model, jitted, x, y, device), seconds, schedule)
-        print(f"  {name}: {n_layer} layers, saved {saved[-1] / MiB:.1f} MiB (first call {seconds:.1f} s)", flush=True)
-    inventory, est, measured_peak, seconds, schedule = result
+    cfg = narrow_config(args.model_name, n_layer=args.n_layer, n_embd=args.n_embd, block_size=args.block_size)
+    model = build_model(cfg, dtype=DTYPES[args.dtype], device=device)
+    x, y = random_batch(cfg, batch_size=args.micro_batch_size, seq_len=args.block_size, device=device)
+    transforms = transforms_factory()
+    jitted = thunder.jit(GPTWithLoss(model, upcast_logits=True), executors=executor_list, transforms=transforms)
+    start = time.perf_counter()
+    measured = measure_saved(jitted, x, y, parameters=[*model.parameters(), *model.buffers()])
+    seconds = time.perf_counter() - start
+    print(f"  {name}: saved {measured.activation_bytes / MiB:.1f} MiB (first call {seconds:.1f} s)", flush=True)
+    loss = measured.output
+    del measured
+    loss.backward()
+    fw, bw = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    est = estimate_step(fw, bw)
+    inventory = saved_for_backward(fw)
     return Column(
         name=name,
-        saved_small=saved[0],
-        saved_large=saved[1],
+        saved_by_layer=tuple(saved_bytes_by_layer(fw, inventory, args.n_layer)),
         inventory=inventory,
         estimated_peak=est.peak_bytes,
         peak_phase=est.peak_phase,
-        measured_peak=measured_peak,
+        measured_peak=_measured_peak(model, jitted, x, y, device),
         compile_seconds=seconds,
-        schedule=schedule,
+        schedule=tuple(r for t in transforms for r in getattr(t, "schedule_results", ())),
     )
+
+
+# litgpt's parameters as thunder.jit names them: a Block's, and the final norm's and head's.
+_BLOCK_PARAMETER = re.compile(r"_transformer_h_(\d+)_")
+_AFTER_THE_BLOCKS = ("_transformer_ln_f_", "_lm_head_")
+
+
+def saved_bytes_by_layer(forward: TraceCtx, inventory: SavedInventory, n_layer: int) -> list[int]:
+    """The saved activation bytes (storages once, parameters apart) that each Block's ops make in
+    one forward trace of a litgpt model, so of one recompute plan: a tensor belongs to the deepest
+    Block whose parameters it derives from, unless it derives from the final norm's or the head's
+    (then to none of them, as the embedding's does)."""
+    depth: dict[str, int] = {}  # of each tensor made: -1, before the Blocks; n_layer, after them
+
+    def depth_of(name: str) -> int:
+        block = _BLOCK_PARAMETER.search(name)
+        if block:
+            return int(block.group(1))
+        return n_layer if any(part in name for part in _AFTER_THE_BLOCKS) else depth.get(name, -1)
+
+    def visit(bsyms) -> None:
+        for b in bsyms:
+            visit(b.subsymbols)  # a fusion region's ops, each with its own depth
+            deepest = max((depth_of(a.name) for a in b.flat_proxy_args if isinstance(a, TensorProxy)), default=-1)
+            for out in tensor_outs(b):
+                depth.setdefault(out.name, deepest)
+
+    visit(forward.bound_symbols)
+    by_layer = [0] * n_layer
+    for storage, nbytes in {t.storage: t.storage_nbytes for t in inventory.tensors if not t.is_parameter}.items():
+        layer = depth.get(storage, -1)
+        if 0 <= layer < n_layer:
+            by_layer[layer] += nbytes
+    return by_layer
 
 
 def _measured_peak(model, jitted, x, y, device: torch.device) -> int:
@@ -123,17 +154,17 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
 
 
-def format_report(args: argparse.Namespace, columns: Sequence[Column], layer_counts: Sequence[int]) -> str:
+def format_report(args: argparse.Namespace, columns: Sequence[Column]) -> str:
     tokens = args.micro_batch_size * args.block_size
-    per_layer = [(c.saved_large - c.saved_small) / (layer_counts[1] - layer_counts[0]) for c in columns]
+    per_layer = [sum(c.saved_by_layer) / args.n_layer for c in columns]
     h_bytes = [p / (tokens * args.n_embd_effective) for p in per_layer]
     lines = [
-        f"# Memory report: {args.model_name}, {layer_counts[1]} layers, n_embd {args.n_embd_effective}, "
+        f"# Memory report: {args.model_name}, {args.n_layer} layers, n_embd {args.n_embd_effective}, "
         f"T={args.block_size}, batch {args.micro_batch_size}, {args.dtype}, {args.device}",
         "",
         "| | " + " | ".join(c.name for c in columns) + " |",
         "|---|" + "---|" * len(columns),
-        "| saved activations per layer | " + " | ".join(_fmt_bytes(int(p)) for p in per_layer) + " |",
+        "| saved activations per layer (the Blocks' ops, mean) | " + " | ".join(_fmt_bytes(int(p)) for p in per_layer) + " |",
         "| h-bytes / token / layer | " + " | ".join(f"{h:.1f}" for h in h_bytes) + " |",
         "| saved activations, whole model | " + " | ".join(_fmt_bytes(c.inventory.activation_bytes) for c in columns) + " |",
         "| estimated peak, forward+backward | "
@@ -182,8 +213,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="AdamW steps to train before the report (0: none)")
     p.add_argument("--top", type=positive_int, default=8, help="rows of the saved-tensor tables")
     args = p.parse_args(argv)
-    if args.n_layer < 2:
-        p.error("--n-layer must be at least 2: per-layer figures are a marginal between layer counts")
     if args.device.startswith("cuda") and not has_gpu:
         p.error("--device cuda asked for, but torch sees no GPU")
     if args.n_embd is None and not args.device.startswith("cuda"):
@@ -200,20 +229,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    layer_counts = (args.n_layer // 2, args.n_layer)
     if args.train_steps:
         print(f"Training {args.train_steps} steps of {args.model_name} with MemoryOptimization on {args.device}", flush=True)
         _train_a_few_steps(args)
-    print(f"Measuring saved activations at {layer_counts[0]} and {layer_counts[1]} layers", flush=True)
+    print(f"Measuring what {args.n_layer} layers save", flush=True)
     columns = [
-        measure_column("plain Thunder", args, list, layer_counts),
+        measure_column("plain Thunder", args, list),
         measure_column(
             f"MemoryOptimization (budget {args.budget}), executors()",
             args,
             lambda: [MemoryOptimization(activation_budget=args.budget)],
-            layer_counts,
             executors(),
         ),
     ]
     print()
-    print(format_report(args, columns, layer_counts))
+    print(format_report(args, columns))
