@@ -48,7 +48,7 @@ def _free_port() -> int:
 
 def test_every_python_block_is_run():
     blocks = re.findall(r"^```python$", README, re.MULTILINE)
-    assert len(blocks) == len(SNIPPETS) == 3, (len(blocks), sorted(SNIPPETS))
+    assert len(blocks) == len(SNIPPETS) == 4, (len(blocks), sorted(SNIPPETS))  # trainer: tests/test_trainer.py
 
 
 def test_thunder_jit_fuses_the_head():
@@ -70,5 +70,5 @@ def test_fsdp2_with_thunderfx_backend_fuses_the_head(monkeypatch):
     assert _uses_fused_head(traces)
 
 
-def test_plain_thunder_compiler():
-    _run("thunder-compiler")
+def test_the_backend_by_name():
+    _run("by-name")
