@@ -72,6 +72,8 @@ FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "activation_budget": (arguments.fraction, "in [0, 1]: 1.0 recomputes cheap ops only, lower values more"),
     "memory_limit": (arguments.memory_limit, "the memory the step may take: bytes (40GiB), a fraction of the "
                                              "GPU's (0.9) or auto, instead of --activation-budget"),
+    "optimizer_states": (arguments.non_negative_int, "with --memory-limit: the optimizer's tensors per parameter "
+                                                     "(AdamW: 2)"),
     "offload": (_choice("off", "auto", "budget"), "saved tensors to pinned host memory: off, auto or budget"),
     "offload_budget": (arguments.fraction, "with --offload budget: the share of saved bytes left on the GPU"),
     "host_memory_limit": (_host_memory_limit, "the pinned host memory offload may hold: bytes (64GiB) or auto"),
