@@ -8,6 +8,7 @@ error, in process.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ torch.compile(model, backend=backend)(torch.randn(4, 16)).sum().backward()
 
 def seen(data):
     first = data.transforms[0] if data.transforms else None
-    return {"transforms": [repr(t) for t in data.transforms], "executors": [e.name for e in data.executors_list if not e.name.startswith("__ad_hoc")],
+    executors = [e.name for e in data.executors_list if not e.name.startswith("__ad_hoc")]
+    return {"transforms": [repr(t) for t in data.transforms], "executors": executors,
             "passes_ran": sorted(getattr(first, "pass_seconds", {}))}
 
 (region,) = [fn for info in backend.subgraph_infos for fn in info.thunder_compiled_fns]
@@ -43,7 +45,7 @@ print("SEEN " + json.dumps({"rank": os.environ["RANK"], "argv": sys.argv, "name"
 def launched(tmp_path_factory) -> subprocess.CompletedProcess:
     script = tmp_path_factory.mktemp("launch") / "program.py"
     script.write_text(PROGRAM)
-    env = {**__import__("os").environ, "THUNDER_MEMOPT_ACTIVATION_BUDGET": "0.2",
+    env = {**os.environ, "THUNDER_MEMOPT_ACTIVATION_BUDGET": "0.2",
            "THUNDER_MEMOPT_CUDNN_ATTENTION": "false", "THUNDER_MEMOPT_TYPO": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "thunder_memopt.launch", "--activation-budget", "0.5", str(script), "--steps", "1"]
