@@ -14,7 +14,11 @@ of the same size. Following Apple's Cut Cross-Entropy, this head walks the token
 So the backward needs the hidden states, the weight, the targets and the log-sum-exp, and no
 tensor of vocabulary size lives longer than a chunk. The logits are computed by the same matmul
 in the model's dtype as the unfused head and upcast per chunk, so the loss is the fp32 loss of the
-same logits; only the order of summation differs.
+same logits; only the order of summation differs. Where the model scales or soft-caps the logits
+before its loss (Granite, Cohere, Gemma-2), each chunk applies the model's ops to its logits in the
+dtype the model ran them in (thunder_memopt.executors._head_math), so again the loss is the fp32 loss
+of the model's logits. The chunks' shapes (executors._head_shapes) keep every matmul on 16-byte
+aligned rows, multiples of 128 where the code chooses them.
 
 Two ways in:
 - ``linear_cross_entropy(hidden, weight, targets, ...)``, a torch function (an autograd.Function)
@@ -38,84 +42,15 @@ from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import WORKSPACE_BYTES
+from thunder_memopt.executors._head_math import lse_and_target_logit as _lse_and_target_logit
+from thunder_memopt.executors._head_math import logits_grad as _logits_grad
+from thunder_memopt.executors._head_math import loss_terms_and_logits_grad_ as _loss_terms_and_logits_grad_
+from thunder_memopt.executors._head_math import apply_steps, scaled, softcap_steps, steps_dtype
+from thunder_memopt.executors._head_shapes import chunk_tokens, padded_row, spans, vocabulary_width
 from thunder_memopt.executors._loss_checks import REDUCTIONS, check_targets, checked_options
 from thunder_memopt.executors.fusion import COMPILED_FUNCTIONS_OF, TensorMetadata, compiled_function, torch_metadata
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "REDUCTIONS"]
-
-# Bytes of one chunk's fp32 logits: big enough for efficient matmuls, small next to the activations.
-_CHUNK_LOGIT_BYTES = 128 * 2**20
-_CHUNK_MULTIPLE = 128
-_MIN_CHUNKS = 8
-
-
-def chunk_tokens(tokens: int, vocab: int, *, gradients_in_forward: bool = False, device: str = "cpu") -> int:
-    """Tokens per chunk: fp32 logits of about 128 MiB, and at least eight chunks where that would
-    leave fewer (so that a small head's chunk is still small next to its logits), a multiple of
-    128 tokens, at most all (and at least one, so that no input makes a step of zero).
-
-    With the gradients in the forward on CUDA, all tokens: there the logits are written into the
-    logits' gradient buffer, tokens x vocab anyway, and each chunk's math is one compiled kernel
-    without an fp32 copy, so one chunk costs no memory and makes one whole matmul."""
-    if gradients_in_forward and device == "cuda":
-        return max(1, tokens)
-    by_bytes = _CHUNK_LOGIT_BYTES // (4 * vocab)
-    by_count = -(-tokens // _MIN_CHUNKS)
-    per_chunk = max(_CHUNK_MULTIPLE, min(by_bytes, by_count) // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
-    return max(1, min(tokens, per_chunk))
-
-
-def _upcast(logits, softcap):
-    """A chunk's model-dtype logits in fp32, soft-capped if asked; a new tensor, free to overwrite."""
-    logits = logits.to(torch.float32, copy=True)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
-
-
-def _lse_and_target_logit(logits, target, softcap):
-    """Each row's log-sum-exp and its target's logit, from one chunk's model-dtype logits."""
-    z = _upcast(logits, softcap)
-    picked = z.gather(1, target.unsqueeze(1)).squeeze(1)
-    # In place: one chunk of fp32 logits is all the transient memory, when run eagerly.
-    top = z.amax(dim=-1, keepdim=True)
-    lse = z.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
-    return lse, picked
-
-
-def _logits_grad(logits, lse, column, hit, row_scale, softcap, compiled=False):
-    """(d loss / d logits,) of one chunk, in the logits' dtype: softmax - one_hot(target), times each
-    row's scale (zero for ignored tokens). ``column`` is each row's target column in the chunk, and
-    ``hit`` says whether the target falls in it. ``compiled``: traced for inductor. A tuple, as every
-    compiled function returns."""
-    z = _upcast(logits, softcap)
-    # d(c tanh(x/c))/dx, from the capped logits, before they are overwritten.
-    capped = None if softcap is None else z.div(softcap).square_().neg_().add_(1.0)
-    g = z.sub_(lse[:, None]).exp_()
-    # Minus the one-hot target. Eagerly an indexed update in place allocates nothing; compiled, it
-    # would make inductor materialize the chunk in fp32, where a mask is pointwise and fuses. Both
-    # subtract 1 at the target and nothing elsewhere.
-    if compiled:
-        g.sub_(((torch.arange(g.shape[1], device=g.device) == column[:, None]) & hit[:, None]).to(torch.uint8))
-    else:
-        g[torch.arange(g.shape[0], device=g.device), column] -= hit.to(g.dtype)
-    g *= row_scale[:, None]
-    if capped is not None:
-        g *= capped
-    return (g.to(logits.dtype),)
-
-
-def _loss_terms_and_logits_grad_(logits, target, hit, row_scale, softcap, compiled=False):
-    """A chunk's loss terms (log-sum-exp, target logit), its logits overwritten by their gradient."""
-    lse, picked = _lse_and_target_logit(logits, target, softcap)
-    logits.copy_(_logits_grad(logits, lse, target, hit, row_scale, softcap, compiled)[0])
-    return lse, picked
-
-
-def _scaled(grad, *grads):
-    """The unit-upstream gradients computed in the forward, times the upstream gradient."""
-    return tuple(g * grad for g in grads)
-
 
 # On CUDA each chunk's math is one inductor kernel that reads the model-dtype logits once, instead
 # of several passes over fp32 copies, and so is the scaling of the gradients (a bf16 tensor times
@@ -142,17 +77,6 @@ def _run(f, *tensors, **constants):
     return f(*tensors, **constants) if compiled is None else compiled(*tensors)
 
 
-def _vocabulary_width(tokens: int, vocab: int, chunk: int) -> int:
-    """Classes per slice when the backward walks the vocabulary (fewer tokens than classes): the
-    bytes of one forward chunk of ``chunk`` tokens' logits (all classes when there are no tokens)."""
-    return max(1, chunk * vocab // tokens) if tokens else vocab
-
-
-def _spans(total: int, step: int) -> list[tuple[int, int]]:
-    """(start, stop) of consecutive chunks of ``step`` (the last one shorter) covering ``total``."""
-    return [(start, min(total, start + step)) for start in range(0, total, step)]
-
-
 def _accumulate_product_(total, a, b):
     """``total += a @ b`` for an fp32 ``total`` and model-dtype ``a`` and ``b``. On CUDA one matmul
     accumulates into ``total`` in fp32 (cuBLAS with beta 1), rounding the product never; elsewhere
@@ -168,23 +92,52 @@ def _accumulation_temporary_bytes(device, dtype) -> int:
     return 0 if device.type == "cuda" else 4 + dtype.bytes
 
 
+def _logits_buffer(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty (rows, columns) tensor of ``like``'s dtype whose rows start 16-byte aligned: on CUDA,
+    where an unaligned leading dimension keeps cuBLAS off Hopper's TMA kernels, padded where
+    ``columns`` needs it (a view of the first ``columns`` of each row); elsewhere dense."""
+    row = padded_row(columns, like.element_size()) if like.device.type == "cuda" else columns
+    return torch.empty((rows, row), dtype=like.dtype, device=like.device)[:, :columns]
+
+
+def _linear(hidden, weight, bias, out=None):
+    """``linear(hidden, weight, bias)`` into ``out`` (default: a _logits_buffer), one matmul."""
+    if out is None:
+        out = _logits_buffer(hidden.shape[0], weight.shape[0], hidden)
+    if bias is None:
+        return torch.mm(hidden, weight.t(), out=out)
+    return torch.addmm(bias, hidden, weight.t(), out=out)
+
+
 def _chunk_logits(hidden, weight, bias, rows: slice, columns: slice = slice(None)):
-    """One chunk's logits, dense, by its own matmul."""
-    return torch.nn.functional.linear(hidden[rows], weight[columns], None if bias is None else bias[columns])
+    """One chunk's logits by its own matmul."""
+    return _linear(hidden[rows], weight[columns], None if bias is None else bias[columns])
 
 
-def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype, logits=None):
+def _chunk_grad(logits, lse, column, hit, row_scale, logits_grad, steps):
+    """A chunk's gradient of the logits the matmul made (_logits_grad), ``logits_grad`` (the chunk of
+    the model's own gradient of the head's output, or None) added: before the steps' derivative
+    where there are steps; else after, in the logits' dtype, as the unfused backward adds the two."""
+    inside = () if logits_grad is None or not steps else (logits_grad,)
+    (g,) = _run(_logits_grad, logits, lse, column, hit, row_scale, *inside, steps=steps)
+    if logits_grad is not None and not inside:
+        g += logits_grad
+    return g
+
+
+def _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk, out_dtype, logits=None):
     """(loss, log-sum-exp of every token) for (N, C) hidden states and (N,) targets; each chunk's
-    logits a slice of rows of ``logits``, the head's (N, V) output, where given (a dense view)."""
+    logits a slice of rows of ``logits``, the head's (N, V) output after ``steps``, where given."""
     n = hidden.shape[0]
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start, stop in _spans(n, chunk):
+    for start, stop in spans(n, chunk):
         rows = slice(start, stop)
         logits_chunk = _chunk_logits(hidden, weight, bias, rows) if logits is None else logits[rows]
         t = targets[start:stop]
         valid = t != ignore_index
-        lse[start:stop], picked = _run(_lse_and_target_logit, logits_chunk, torch.where(valid, t, 0), softcap=softcap)
+        lse[start:stop], picked = _run(_lse_and_target_logit, logits_chunk, torch.where(valid, t, 0),
+                                       steps=() if logits is not None else steps)
         del logits_chunk
         total += torch.where(valid, lse[start:stop] - picked, 0.0).sum()
     if reduction == "mean":
@@ -192,7 +145,7 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, ch
     return total.to(out_dtype), lse
 
 
-def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, out_dtype):
+def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk, out_dtype):
     """(loss, and the gradients of the hidden states, the weight and the bias for a unit upstream
     gradient), computing the logits once.
 
@@ -209,15 +162,11 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
     # zeros: no row is scaled by 1 / 0.
     row_scale = valid.float() / count.clamp(min=1) if reduction == "mean" else valid.float()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    logits_grad = torch.empty((n, weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
-    for start, stop in _spans(n, chunk):
-        logits = logits_grad[start:stop]
-        if bias is None:
-            torch.mm(hidden[start:stop], weight.t(), out=logits)
-        else:
-            torch.addmm(bias, hidden[start:stop], weight.t(), out=logits)
+    logits_grad = _logits_buffer(n, weight.shape[0], hidden)
+    for start, stop in spans(n, chunk):
+        logits = _linear(hidden[start:stop], weight, bias, out=logits_grad[start:stop])
         lse, picked = _run(_loss_terms_and_logits_grad_, logits, target[start:stop], valid[start:stop],
-                           row_scale[start:stop], softcap=softcap)
+                           row_scale[start:stop], steps=steps)
         total += torch.where(valid[start:stop], lse - picked, 0.0).sum()
     if reduction == "mean":
         total = total / count
@@ -225,7 +174,7 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
     return total.to(out_dtype), logits_grad @ weight, logits_grad.t() @ hidden, grad_bias
 
 
-def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, softcap, chunk,
+def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk,
               needs_weight_grad, logits_grad=None):
     """Gradients of the hidden states, the weight and the bias (None where not needed).
 
@@ -235,9 +184,8 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     gradient summed, vocab x C) at long context. ``chunk`` is the tokens per chunk of the forward,
     which fixes the bytes of one chunk's logits either way.
 
-    Where the head's output is also a result of the model, ``logits_grad``, the gradient of that
-    result, is added to each chunk's softmax gradient in the logits' dtype, as the unfused backward
-    adds the two."""
+    Where the head's output (after ``steps``) is also a result of the model, ``logits_grad``, the
+    gradient of that result, is added to each chunk's softmax gradient (_chunk_grad)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     scale = grad.float()
@@ -247,20 +195,19 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     target = torch.where(valid, targets, 0)
     with_bias = bias is not None and needs_weight_grad
     if n < vocab:
-        width = _vocabulary_width(n, vocab, chunk)
+        width = vocabulary_width(n, vocab, chunk)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight) if needs_weight_grad else None
         grad_bias = torch.empty_like(bias) if with_bias else None
-        for start, stop in _spans(vocab, width):
+        for start, stop in spans(vocab, width):
             w = weight[start:stop]
             columns = slice(start, stop)
             logits_chunk = _chunk_logits(hidden, weight, bias, slice(None), columns)
             hit = valid & (target >= start) & (target < stop)
             column = (target - start).clamp_(0, stop - start - 1)
-            (g,) = _run(_logits_grad, logits_chunk, lse, column, hit, row_scale, softcap=softcap)
+            g = _chunk_grad(logits_chunk, lse, column, hit, row_scale,
+                            None if logits_grad is None else logits_grad[:, columns], steps)
             del logits_chunk
-            if logits_grad is not None:
-                g += logits_grad[:, columns]
             _accumulate_product_(grad_hidden, g, w)
             if grad_weight is not None:
                 grad_weight[start:stop] = g.t() @ hidden
@@ -270,14 +217,12 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight_grad else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_bias else None
-    for start, stop in _spans(n, chunk):
+    for start, stop in spans(n, chunk):
         h, rows = hidden[start:stop], slice(start, stop)
         logits_chunk = _chunk_logits(hidden, weight, bias, rows)
-        (g,) = _run(_logits_grad, logits_chunk, lse[rows], target[rows], valid[rows], row_scale[rows],
-                    softcap=softcap)
+        g = _chunk_grad(logits_chunk, lse[rows], target[rows], valid[rows], row_scale[rows],
+                        None if logits_grad is None else logits_grad[rows], steps)
         del logits_chunk
-        if logits_grad is not None:
-            g += logits_grad[rows]
         grad_hidden[start:stop] = g @ weight
         if grad_weight is not None:
             _accumulate_product_(grad_weight, g.t(), h)
@@ -292,18 +237,18 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, gradients_in_forward):
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, reduction, steps, chunk, gradients_in_forward):
         ctx.gradients_in_forward = gradients_in_forward
         if gradients_in_forward:
-            loss, *unit = _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, softcap,
+            loss, *unit = _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, steps,
                                                   chunk, torch.float32)
             # Saved, so that autograd frees them after the backward, or keeps them for another
             # with retain_graph=True.
             ctx.save_for_backward(*unit)
             return loss
-        loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, softcap, chunk, torch.float32)
+        loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk, torch.float32)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.options = (ignore_index, reduction, softcap, chunk)
+        ctx.options = (ignore_index, reduction, steps, chunk)
         return loss
 
     @staticmethod
@@ -362,7 +307,7 @@ def linear_cross_entropy(
     chunk = options.chunk_size or chunk_tokens(flat.shape[0], weight.shape[0],
                                                gradients_in_forward=gradients_in_forward, device=flat.device.type)
     return _LinearCrossEntropy.apply(flat, weight, bias, targets.reshape(-1), options.ignore_index, options.reduction,
-                                     options.softcap, chunk, gradients_in_forward)
+                                     softcap_steps(options.softcap), chunk, gradients_in_forward)
 
 
 # The Thunder executor and its symbols. ``head_loss`` is what the loss_head pass puts in a trace; its
@@ -383,60 +328,70 @@ linear_cross_entropy_ex = OperatorExecutor("memopt_linear_cross_entropy", versio
 register_executor(linear_cross_entropy_ex)
 
 
-def _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype, gradients_in_forward=False):
+# Every op takes ``steps`` (thunder_memopt.executors._head_math) after ``chunk``: the model's ops between
+# the head's matmul and its loss, () for none.
+def _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
+               gradients_in_forward=False):
     return TensorProxy(like=hidden, shape=(), dtype=out_dtype)
 
 
-def _loss_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype, gradients_in_forward=False):
-    return _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)[0]
+def _loss_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
+               gradients_in_forward=False):
+    return _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype)[0]
 
 
-def _forward_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
+def _forward_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
     lse = TensorProxy(like=hidden, shape=(hidden.shape[0],), dtype=dtypes.float32, requires_grad=False)
-    return _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype), lse
+    return _loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype), lse
 
 
-def _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    return _forward(hidden, weight, bias, targets, ignore_index, reduction, None, chunk,
+def _forward_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    return _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk,
                     dtypes.to_torch_dtype(out_dtype))
 
 
-def _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    loss, lse = _forward_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)
-    return loss, TensorProxy(like=hidden, shape=(hidden.shape[0], weight.shape[0])), lse
+def _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    loss, lse = _forward_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype)
+    logits = TensorProxy(like=hidden, shape=(hidden.shape[0], weight.shape[0]), dtype=steps_dtype(steps, hidden.dtype))
+    return loss, logits, lse
 
 
-def _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, None, chunk,
+def _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    # The model's logits: the same one matmul, then its ops on them, whole, as the model runs them.
+    logits = apply_steps(_linear(hidden, weight, bias), steps, in_place=True)
+    loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk,
                          dtypes.to_torch_dtype(out_dtype), logits)
     return loss, logits, lse
 
 
-def _loss_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    return _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)[:2]
+def _loss_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    return _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps,
+                                    out_dtype)[:2]
 
 
-def _loss_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    return _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)[:2]
+def _loss_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    return _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps,
+                                    out_dtype)[:2]
 
 
-def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits_grad=None):
+def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, steps,
+                   logits_grad=None):
     return (TensorProxy(like=hidden), TensorProxy(like=weight), None if bias is None else TensorProxy(like=bias))
 
 
-def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, logits_grad=None):
-    return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, None, chunk, True,
+def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, steps,
+                   logits_grad=None):
+    return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk, True,
                      logits_grad)
 
 
-def _with_gradients_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    grads = _backward_meta(None, hidden, weight, bias, targets, None, ignore_index, reduction, chunk)
-    return (_loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype), *grads)
+def _with_gradients_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    grads = _backward_meta(None, hidden, weight, bias, targets, None, ignore_index, reduction, chunk, steps)
+    return (_loss_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype), *grads)
 
 
-def _with_gradients_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    return _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, None, chunk,
+def _with_gradients_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    return _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk,
                                    dtypes.to_torch_dtype(out_dtype))
 
 
@@ -446,8 +401,8 @@ def _scale_meta(grad, grad_hidden, grad_weight, grad_bias):
 
 
 def _scale_impl(grad, grad_hidden, grad_weight, grad_bias):
-    scaled = iter(_run(_scaled, grad, *(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None)))
-    return tuple(None if g is None else next(scaled) for g in (grad_hidden, grad_weight, grad_bias))
+    scaled_grads = iter(_run(scaled, grad, *(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None)))
+    return tuple(None if g is None else next(scaled_grads) for g in (grad_hidden, grad_weight, grad_bias))
 
 
 # Tagged as a matmul: the recompute pass replays it only below budget 1.0, like the head's linear.
@@ -470,14 +425,15 @@ head_scale_gradients = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_scale_gradients", meta=_scale_meta, fn=_scale_impl)
 
 
-def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype, gradients_in_forward=False):
+def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
+          gradients_in_forward=False):
+    options = (ignore_index, reduction, chunk, steps)
     if gradients_in_forward:
-        loss, *unit = head_forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, chunk,
-                                                  out_dtype)
+        loss, *unit = head_forward_with_gradients(hidden, weight, bias, targets, *options, out_dtype)
         grads = head_scale_gradients(get_grad(loss), *unit)
     else:
-        loss, lse = head_forward(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype)
-        grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk)
+        loss, lse = head_forward(hidden, weight, bias, targets, *options, out_dtype)
+        grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, *options)
     _put_head_grads(hidden, weight, bias, grads)
     return loss
 
@@ -487,13 +443,12 @@ def _put_head_grads(hidden, weight, bias, grads) -> None:
     put_grads(inputs, grads[: len(inputs)])
 
 
-def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk, out_dtype):
-    loss, logits, lse = head_forward_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk,
-                                                out_dtype)
+def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    options = (ignore_index, reduction, chunk, steps)
+    loss, logits, lse = head_forward_and_logits(hidden, weight, bias, targets, *options, out_dtype)
     # The backward recomputes the logits (saving them would keep tokens x vocab until it runs), and
     # adds their own gradient.
-    grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, ignore_index, reduction, chunk,
-                          get_grad(logits))
+    grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, *options, get_grad(logits))
     _put_head_grads(hidden, weight, bias, grads)
     return loss, logits
 
@@ -506,74 +461,85 @@ linear_cross_entropy_ex.register_implementation(head_loss_and_logits, head_loss_
 # What the memory model cannot see: each op's chunks of logits (and of their gradient), its
 # accumulator and, with the gradients in the forward, the logits' gradient buffer that the logits
 # are written into. Eagerly (off CUDA) a chunk's math adds its temporaries.
-def _eager_temporaries(hidden: TensorProxy, rows: int, columns: int, *, gradient: bool) -> int:
-    """A chunk's fp32 copy and, for its gradient, the model-dtype result; none on CUDA, where the
-    math is one compiled kernel."""
+def _eager_temporaries(hidden: TensorProxy, rows: int, columns: int, steps, *, gradient: bool) -> int:
+    """A chunk's fp32 copy, the model-dtype results of its steps and, for its gradient, the
+    model-dtype result and each tanh's fp32 derivative; none on CUDA, where the math is one
+    compiled kernel."""
     if hidden.device.type == "cuda":
         return 0
-    return rows * columns * (4 + (hidden.dtype.bytes if gradient else 0))
+    per_element = 4 + (hidden.dtype.bytes if steps else 0)
+    if gradient:
+        per_element += hidden.dtype.bytes + 4 * sum(op == "tanh" for op, _ in steps)
+    return rows * columns * per_element
 
 
 def _forward_workspace(bsym) -> int:
-    hidden, weight, chunk = bsym.args[0], bsym.args[1], bsym.args[6]
+    hidden, weight, chunk, steps = bsym.args[0], bsym.args[1], bsym.args[6], bsym.args[7]
     rows, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
-    # Where the op makes the whole logits (its output), a chunk's logits are a view of them.
-    matmul = 0 if bsym.sym.name in _WITH_LOGITS else rows * vocab * hidden.dtype.bytes
-    return matmul + _eager_temporaries(hidden, rows, vocab, gradient=False)
+    if bsym.sym.name in _WITH_LOGITS:
+        # A chunk's logits are a view of the op's output, which the steps make from the matmul's,
+        # in place unless one is a cast.
+        cast = any(op == "to" for op, _ in steps)
+        return hidden.shape[0] * vocab * hidden.dtype.bytes * cast + _eager_temporaries(hidden, rows, vocab, (),
+                                                                                       gradient=False)
+    return rows * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, rows, vocab, steps, gradient=False)
 
 
 def _with_gradients_workspace(bsym) -> int:
-    hidden, weight, chunk = bsym.args[0], bsym.args[1], bsym.args[6]
+    hidden, weight, chunk, steps = bsym.args[0], bsym.args[1], bsym.args[6], bsym.args[7]
     (n, _), vocab = hidden.shape, weight.shape[0]
-    return n * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, min(chunk, n), vocab, gradient=True)
+    return n * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, min(chunk, n), vocab, steps, gradient=True)
 
 
 def _backward_workspace(bsym) -> int:
-    hidden, weight, chunk = bsym.args[1], bsym.args[2], bsym.args[8]
+    hidden, weight, chunk, steps = bsym.args[1], bsym.args[2], bsym.args[8], bsym.args[9]
     (n, width), vocab = hidden.shape, weight.shape[0]
     if n < vocab:  # vocabulary chunks; the hidden states' gradient summed in fp32
-        rows, columns, accumulator = n, _vocabulary_width(n, vocab, chunk), n * width
+        rows, columns, accumulator = n, vocabulary_width(n, vocab, chunk), n * width
     else:
         rows, columns, accumulator = min(chunk, n), vocab, vocab * width
     logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes  # a chunk's
-    return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, gradient=True)
+    return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, steps, gradient=True)
             + accumulator * (4 + _accumulation_temporary_bytes(hidden.device, hidden.dtype)))
 
 
 def _functions_called(bsym) -> list:
     """The compiled functions an op of the head will call (``_run``), for compile_ahead: one per
-    function and chunk size, on the shapes its loops give them; all their inputs are contiguous."""
+    function and chunk size, on the shapes its loops give them, for contiguous inputs. With steps,
+    the backward's chunk function also takes the model's gradient of the logits, a slice of columns
+    where it walks the vocabulary: that one is compiled at its first call, for the slice's strides."""
     name = bsym.sym.name
     if name == head_scale_gradients.name:
-        calls = [(_scaled, [torch_metadata(a) for a in bsym.args if a is not None])]
+        return [c for c in [_compiled(scaled, [torch_metadata(a) for a in bsym.args if a is not None])] if c]
+    backward = name == head_backward.name
+    hidden, weight, targets = bsym.args[1:3] + bsym.args[4:5] if backward else bsym.args[:2] + bsym.args[3:4]
+    chunk, steps = bsym.args[8:10] if backward else bsym.args[6:8]
+    (n, _), vocab = hidden.shape, weight.shape[0]
+    _, dtype, device = torch_metadata(hidden)
+    index = dtypes.to_torch_dtype(targets.dtype)
+    stepped = dtypes.to_torch_dtype(steps_dtype(steps, hidden.dtype))  # the dtype of the model's logits
+    if name in _WITH_LOGITS:  # the chunks are views of the model's logits, after the steps
+        steps, dtype = (), stepped
+
+    def rows(r: int, columns: int = vocab) -> list[TensorMetadata]:  # logits, then per-row tensors
+        return [((r, columns), dtype, device)] + [((r,), t, device) for t in kinds]
+
+    sizes = sorted({stop - start for start, stop in spans(n, chunk)})
+    if name == head_forward_with_gradients.name:
+        kinds, f = (index, torch.bool, torch.float32), _loss_terms_and_logits_grad_
+        calls = [(f, rows(r)) for r in sizes]
+    elif not backward:
+        kinds, f = (index,), _lse_and_target_logit
+        calls = [(f, rows(r)) for r in sizes]
     else:
-        backward = name == head_backward.name
-        hidden, weight, targets = bsym.args[1:3] + bsym.args[4:5] if backward else bsym.args[:2] + bsym.args[3:4]
-        chunk = bsym.args[8] if backward else bsym.args[6]
-        (n, _), vocab = hidden.shape, weight.shape[0]
-        _, dtype, device = torch_metadata(hidden)
-        index = dtypes.to_torch_dtype(targets.dtype)
-
-        def rows(r: int, columns: int = vocab) -> list[TensorMetadata]:  # logits, then per-row tensors
-            return [((r, columns), dtype, device)] + [((r,), t, device) for t in kinds]
-
-        sizes = sorted({stop - start for start, stop in _spans(n, chunk)})
-        if name == head_forward_with_gradients.name:
-            kinds, f = (index, torch.bool, torch.float32), _loss_terms_and_logits_grad_
-            calls = [(f, rows(r)) for r in sizes]
-        elif not backward:
-            kinds, f = (index,), _lse_and_target_logit
-            calls = [(f, rows(r)) for r in sizes]
+        kinds = (torch.float32, index, torch.bool, torch.float32)
+        added = bool(steps) and len(bsym.args) > 10 and bsym.args[10] is not None  # as _chunk_grad
+        if n < vocab:  # as _backward walks the vocabulary
+            widths = sorted({stop - start for start, stop in spans(vocab, vocabulary_width(n, vocab, chunk))})
+            calls = [] if added else [(_logits_grad, rows(n, c)) for c in widths]
         else:
-            kinds = (torch.float32, index, torch.bool, torch.float32)
-            if n < vocab:  # as _backward walks the vocabulary
-                widths = sorted({stop - start for start, stop in _spans(vocab, _vocabulary_width(n, vocab, chunk))})
-                calls = [(_logits_grad, rows(n, c)) for c in widths]
-            else:
-                calls = [(_logits_grad, rows(r)) for r in sizes]
-    # The ops' implementations pass no soft-capping (the public function's own path is not a Thunder op).
-    constants = {} if name == head_scale_gradients.name else {"softcap": None}
-    return [c for f, tensors in calls if (c := _compiled(f, tensors, **constants)) is not None]
+            calls = [(_logits_grad, rows(r) + ([((r, vocab), stepped, device)] if added else [])) for r in sizes]
+    return [c for f, tensors in calls if (c := _compiled(f, tensors, steps=steps)) is not None]
 
 
 COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (

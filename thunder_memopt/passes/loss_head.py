@@ -16,8 +16,14 @@ which makes the logits with the same one matmul and returns them in their place,
 them (its backward recomputes them in chunks); what it never holds whole is their fp32 copy, the
 log-softmax and the loss's gradient of the logits.
 
+Between the linear and the chain, a model may scale the logits by a Python number (Granite's
+``logits / logits_scaling``, Cohere's ``logits * logit_scale``) or soft-cap them (Gemma-2's
+``tanh(logits / cap) * cap``): those elementwise ops (``mul``, ``true_divide``, ``tanh``, and casts
+among them) become the fused head's ``steps``, which it applies to each chunk as the model did, and
+the logits the model returns are theirs.
+
 It rewrites only what it can prove equal: the chain's intermediates used by nothing else, any
-other reader of the logits after the cross-entropy, a mean or sum reduction, no class weights, no
+other reader of the model's logits (after the steps) after the cross-entropy, a mean or sum reduction, no class weights, no
 label smoothing, and targets of one index per token. Anything else is left as it was.
 """
 
@@ -34,19 +40,23 @@ from thunder.core.proxies import ProxyInterface, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_memopt.executors._head_math import Steps
 from thunder_memopt.executors.chunked_cross_entropy import REDUCTIONS, chunk_tokens, head_loss, head_loss_and_logits
 
 __all__ = ["LossHead", "find_loss_heads", "fuse_loss_heads"]
 
 _CROSS_ENTROPY = inspect.signature(ltorch.cross_entropy.meta)
 # Between the head's linear and the cross-entropy: ops that change only shape or dtype.
-_RESHAPES = {ltorch.reshape.id, ltorch.view.id}
+_RESHAPES = {ltorch.reshape.id, ltorch.view.id, ltorch.contiguous.id}
 _CASTS = {ltorch.to.id, prims.PrimIDs.CONVERT_ELEMENT_TYPE}
+# Elementwise ops of the logits and a Python number (tanh: alone) that the fused head can apply per chunk.
+_STEPS = {ltorch.mul.id: "mul", ltorch.true_divide.id: "true_divide", ltorch.div.id: "true_divide",
+          ltorch.tanh.id: "tanh"}
 
 
 @dataclass(frozen=True)
 class LossHead:
-    """A ``linear -> (reshapes, casts) -> cross_entropy`` chain that the pass can fuse."""
+    """A ``linear -> (steps, reshapes, casts) -> cross_entropy`` chain that the pass can fuse."""
 
     linear: BoundSymbol
     chain: tuple[BoundSymbol, ...]  # from the linear's consumer to the cross-entropy, inclusive
@@ -54,6 +64,8 @@ class LossHead:
     target: TensorProxy  # the cross-entropy's (tokens,) targets
     ignore_index: int
     reduction: str
+    steps: Steps  # the model's ops of the logits before the loss, () for none (executors._head_math)
+    logits: TensorProxy  # the model's logits: the linear's output, or the last step's
     keeps_logits: bool  # the logits have readers besides the chain (the model returns them)
 
 
@@ -68,7 +80,27 @@ def _readers(t: TensorProxy, consumers, shapes: list[BoundSymbol]) -> list[Bound
     return readers
 
 
-_CHAIN = _RESHAPES | _CASTS | {ltorch.cross_entropy.id}
+_CHAIN = _RESHAPES | _CASTS | set(_STEPS) | {ltorch.cross_entropy.id}
+
+
+def _number(value: object) -> bool:
+    """A Python number in the trace: a constant, not a proxy of one."""
+    return isinstance(value, (int, float)) and not isinstance(value, (bool, ProxyInterface))
+
+
+def _step(b: BoundSymbol, t: TensorProxy) -> tuple[str, object] | None:
+    """``(name, number)`` of the step ``b`` applies to ``t`` alone, elementwise, in ``t``'s dtype."""
+    op, out = _STEPS[b.sym.id], b.output
+    if not isinstance(out, TensorProxy) or out.shape != t.shape or out.dtype != t.dtype:
+        return None
+    if op == "tanh":
+        return (op, None) if tuple(b.args) == (t,) and not b.kwargs else None
+    if len(b.args) != 2 or b.kwargs.get("rounding_mode") is not None or set(b.kwargs) - {"rounding_mode"}:
+        return None
+    a, value = b.args
+    if op == "mul" and value is t:
+        a, value = value, a
+    return (op, value) if a is t and _number(value) else None
 
 
 def _match(linear: BoundSymbol, consumers, position: dict[int, int]) -> LossHead | None:
@@ -78,23 +110,21 @@ def _match(linear: BoundSymbol, consumers, position: dict[int, int]) -> LossHead
     vocab, tokens = logits.shape[-1], math.prod(logits.shape[:-1])
     shapes: list[BoundSymbol] = []
     chain: list[BoundSymbol] = []
-    # The logits may have other readers than the chain; its intermediates may not.
-    readers = _readers(logits, consumers, shapes)
-    first = [b for b in readers if b.sym.id in _CHAIN]
-    others = [b for b in readers if b.sym.id not in _CHAIN]
-    if len(first) != 1:
-        return None
-    t = logits
+    steps: list[tuple[str, object]] = []
+    others: dict[int, list[BoundSymbol]] = {}  # readers of a tensor of the chain beside it, by its position
+    t, kept = logits, logits
     while True:
-        readers = first if t is logits else _readers(t, consumers, shapes)
-        if len(readers) != 1:
+        readers = _readers(t, consumers, shapes)
+        mine = [b for b in readers if b.sym.id in _CHAIN]
+        if len(mine) != 1:
             return None
-        b = readers[0]
+        others[len(chain)] = [b for b in readers if b.sym.id not in _CHAIN]
+        b = mine[0]
         chain.append(b)
         if b.sym.id == ltorch.cross_entropy.id:
             break
         out = b.output
-        if not isinstance(out, TensorProxy) or b.flat_proxy_args[0] is not t:
+        if not isinstance(out, TensorProxy) or not b.flat_proxy_args or b.flat_proxy_args[0] is not t:
             return None
         if b.sym.id in _RESHAPES:
             if out.shape[-1] != vocab:
@@ -102,9 +132,25 @@ def _match(linear: BoundSymbol, consumers, position: dict[int, int]) -> LossHead
         elif b.sym.id in _CASTS:
             if not dtypes.is_float_dtype(out.dtype):
                 return None
+            steps.append(("to", out.dtype))
         else:
-            return None
+            step = _step(b, t)
+            if step is None:
+                return None
+            steps.append(step)
+            kept = out
         t = out
+    # The model's logits are the last step's output (the linear's without steps), or a reshape of
+    # it (OPT returns ``.contiguous()``): only they may have other readers. Casts after the last
+    # step are the loss's upcast, as without steps.
+    start = 0 if kept is logits else next(i for i, b in enumerate(chain) if b.output is kept) + 1
+    stop = next(i for i in range(start, len(chain)) if chain[i].sym.id not in _RESHAPES)
+    read = [i for i, readers in others.items() if readers]
+    if len(read) > 1 or any(not start <= i <= stop for i in read):
+        return None
+    at = read[0] if read else start
+    kept = chain[at - 1].output if at else logits
+    last = max((i for i, (op, _) in enumerate(steps) if op != "to"), default=-1)
     bound = _CROSS_ENTROPY.bind(*chain[-1].args, **chain[-1].kwargs)
     bound.apply_defaults()
     a, target = bound.arguments["a"], bound.arguments["target"]
@@ -118,10 +164,10 @@ def _match(linear: BoundSymbol, consumers, position: dict[int, int]) -> LossHead
         and isinstance(bound.arguments["ignore_index"], int)
     )
     # The fused head makes the logits where the cross-entropy was: every other reader comes later.
-    if not ok or any(position[id(b)] < position[id(chain[-1])] for b in others):
+    if not ok or any(position[id(b)] < position[id(chain[-1])] for b in others[at]):
         return None
     return LossHead(linear, tuple(chain), tuple(shapes), target, bound.arguments["ignore_index"],
-                    bound.arguments["reduction"], keeps_logits=bool(others))
+                    bound.arguments["reduction"], tuple(steps[: last + 1]), kept, keeps_logits=bool(others[at]))
 
 
 def find_loss_heads(trace: TraceCtx) -> list[LossHead]:
@@ -157,16 +203,16 @@ def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> T
         new.push_scope(scope)
         with tracectx(new):
             hidden = ltorch.reshape(x, (tokens, x.shape[-1]))
-            options = (head.ignore_index, head.reduction, chunk, ce.output.dtype)
+            options = (head.ignore_index, head.reduction, chunk, head.steps, ce.output.dtype)
             if head.keeps_logits:
                 loss, flat_logits = head_loss_and_logits(hidden, weight, bias, target, *options)
-                logits = ltorch.reshape(flat_logits, head.linear.output.shape)
+                logits = ltorch.reshape(flat_logits, head.logits.shape)
             else:
                 loss = head_loss(hidden, weight, bias, target, *options, in_forward)
         new.pop_scope()
         swaps = {variableify(loss): ce.output}
         if head.keeps_logits:
-            swaps[variableify(logits)] = head.linear.output
+            swaps[variableify(logits)] = head.logits
         scope = [b.from_bsym_swap_proxies(swaps) for b in scope]
         replacement[id(ce)] = scope
         dropped.update(id(b) for b in (head.linear, *head.chain[:-1], *head.shapes))

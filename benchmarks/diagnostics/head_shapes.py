@@ -1,0 +1,122 @@
+"""The fused loss head across vocabularies, against inductor's unfused head, on a GPU.
+
+Hidden 4096, T=8192, bf16, vocabularies 32000 (Llama-2), 49155 (Granite, odd), 128256 (Llama-3),
+151936 (Qwen3) and 256000 (Gemma): median forward+backward ms (CUDA events) and peak MiB above the
+inputs of
+- inductor: ``torch.compile``d ``F.cross_entropy(F.linear(h, W).float(), t)``;
+- the fused head with the logits recomputed in the backward (``linear_cross_entropy``), and with
+  the gradients in the forward;
+- the fused head that also returns the logits, as transformers' models are fused (the
+  ``memopt_linear_cross_entropy_forward_and_logits`` and ``_backward`` ops, run directly).
+Each row names the chunk shapes the head chose (executors._head_shapes). With ``--profile``, the
+fused head's top CUDA kernels per vocabulary: ``nvjet`` (sm90) or ``cutlass_80`` (sm80) matmuls.
+Under 4 minutes on an H100 (most of it inductor's five compilations):
+
+    python benchmarks/diagnostics/head_shapes.py [--profile]
+
+``--device cpu --vocab 512 --tokens 256`` runs a smoke test of the script on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import torch
+import thunder.core.dtypes as dtypes
+from loss_head import measure, profile
+
+from thunder_memopt.executors import chunked_cross_entropy as cce
+from thunder_memopt.executors import linear_cross_entropy
+from thunder_memopt.executors._head_shapes import chunk_tokens, vocabulary_width
+
+VOCABULARIES = (32000, 49155, 128256, 151936, 256000)
+HIDDEN = 4096
+
+
+def upcast_unfused(hidden, weight, targets):
+    """The unfused head as transformers' loss computes it: the logits upcast to fp32."""
+    return torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight).float(), targets)
+
+
+class _WithLogits(torch.autograd.Function):
+    """The fused head that also returns the logits, by the ops the loss_head pass puts in a trace."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        options = (-100, "mean", chunk, ())
+        loss, logits, lse = cce._forward_and_logits_impl(hidden, weight, None, targets, *options, dtypes.float32)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.options = options
+        return loss, logits
+
+    @staticmethod
+    def backward(ctx, grad, logits_grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grads = cce._backward_impl(grad, hidden, weight, None, targets, lse, *ctx.options, logits_grad)
+        return grads[0], grads[1], None, None
+
+
+def with_logits(hidden, weight, targets):
+    chunk = chunk_tokens(targets.shape[0], weight.shape[0], device=hidden.device.type)
+    loss, logits = _WithLogits.apply(hidden, weight, targets, chunk)
+    loss.logits = logits  # held until the step ends, as a model's output holds them
+    return loss
+
+
+def measure_on(device: str, fn, hidden, weight, targets) -> tuple[float, float | None]:
+    """(median ms, peak MiB above the inputs) on CUDA; on the CPU one timed step and no peak."""
+    if device == "cuda":
+        return measure(fn, hidden, weight, targets)[:2]
+    start = time.perf_counter()
+    fn(hidden, weight, targets).backward()
+    return (time.perf_counter() - start) * 1e3, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--vocab", type=int, nargs="+", default=VOCABULARIES)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--profile", action="store_true", help="the fused head's top CUDA kernels per vocabulary")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("head_shapes: needs a GPU (or --device cpu)")
+        return 2
+    n = args.tokens
+    print(f"T={n}, hidden {args.hidden}, bf16, {args.device}; peak = max allocated above the inputs\n")
+    print("| vocab | head | chunk tokens | slice classes | fwd+bwd ms | peak MiB |")
+    print("|---|---|---|---|---|---|")
+    profiles: list[str] = []
+    for vocab in args.vocab:
+        g = torch.Generator(device=args.device).manual_seed(0)
+        hidden = torch.randn(n, args.hidden, device=args.device, generator=g).bfloat16().requires_grad_()
+        weight = (torch.randn(vocab, args.hidden, device=args.device, generator=g)
+                  * args.hidden**-0.5).bfloat16().requires_grad_()
+        targets = torch.randint(0, vocab, (n,), device=args.device, generator=g)
+        chunk = chunk_tokens(n, vocab, device=args.device)
+        shapes = f"{chunk} | {vocabulary_width(n, vocab, chunk) if n < vocab else '-'}"
+        in_forward = functools.partial(linear_cross_entropy, gradients_in_forward=True)
+        heads = (("inductor, unfused", torch.compile(upcast_unfused), "- | -"),
+                 ("fused, logits recomputed", linear_cross_entropy, shapes),
+                 ("fused, gradients in forward", in_forward,
+                  f"{chunk_tokens(n, vocab, gradients_in_forward=True, device=args.device)} | -"),
+                 ("fused, logits returned", with_logits, shapes))
+        for label, fn, chosen in heads:
+            ms, peak = measure_on(args.device, fn, hidden, weight, targets)
+            print(f"| {vocab} | {label} | {chosen} | {ms:.2f} | {'-' if peak is None else f'{peak:.0f}'} |",
+                  flush=True)
+        if args.profile and args.device == "cuda":
+            profiles.append(f"vocab {vocab}, fused, logits recomputed:\n"
+                            + profile(linear_cross_entropy, hidden, weight, targets))
+        del hidden, weight, targets
+    for table in profiles:
+        print("\n```\n" + table + "```")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
