@@ -43,8 +43,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # but for rounding, as a key projection's bias under softmax, is noise). fp32 sums of a few hundred terms
 # in another order (the fused head's chunks, Thunder's decomposed attention) differ by about 1e-6 of
 # that; a wrong op by far more.
+# The second step's gradients, 1e-3: the first AdamW step moves a weight by about the learning rate
+# whatever its gradient's size, so rounding noise in a gradient near zero moves it by up to 2 x lr.
 LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-4
+GRAD_RTOL = (1e-4, 1e-3)  # by step
 GRAD_FLOOR = 1e-3
 STEPS, BATCH, SEQ_LEN, VOCAB = 2, 2, 32, 256
 SLIDING_WINDOW = 16  # shorter than SEQ_LEN: a sliding window masks something
@@ -87,6 +89,7 @@ class Result:
     losses_thunder: tuple[float, ...] = ()
     loss_error: float = 0.0  # max over steps, relative
     grad_error: float = 0.0  # max over steps and parameters, relative
+    grad_errors: tuple[float, ...] = ()  # each step's, max over parameters
     worst_parameter: str = ""
     head: str = ""  # fused, fused (logits kept), not fused
     attention: str = ""
@@ -161,6 +164,19 @@ _SPECIAL: dict[str, dict] = {
 }
 
 
+# Causes found for what a row shows, where the row cannot say it (checked on 2026-12-06 with the same
+# narrowed model, 1 layer, 16 tokens).
+KNOWN = {
+    "doge": "plain ThunderCompiler() and MemoryOptimization(passes=()) mismatch alike (loss 7e-4): Thunder's",
+    "diffllama": "plain ThunderCompiler() crashes alike: Thunder's",
+    "dbrx": "plain ThunderCompiler() crashes alike: Thunder's",
+    "blt": "Thunder's automatic torch fallback fails to register unfold: Thunder's",
+    **dict.fromkeys(("gpt2", "gpt-sw3"), "head not fused: dynamo breaks the graph at the loss (transformers "
+                    "logs that the loss type of GPT2LMHeadModel is unrecognized), so the head's linear and the "
+                    "cross-entropy are in two graphs"),
+}
+
+
 def _layer_pattern(types: Sequence, layers: int) -> list:
     """One layer of each distinct kind (in their first order), at least ``layers`` layers from the pattern."""
     kinds = list(dict.fromkeys(types))
@@ -176,8 +192,9 @@ def narrowed_config(name: str, *, layers: int = 2, **overrides):
     fields = config_class().to_dict()
     given = {k: v for k, v in NARROW.items() if k in fields}
     given.update({k: layers for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if k in given})
-    if "qk_rope_head_dim" in fields:  # multi-head latent attention: rotary on part of each head
-        given.update({k: v for k, v in (("head_dim", 8), ("qk_head_dim", 16)) if k in fields})
+    if "qk_rope_head_dim" in fields:  # multi-head latent attention: rotary on part of each head, K and V per head
+        given.update({k: v for k, v in (("head_dim", 8), ("qk_head_dim", 16), ("num_key_value_heads", _HEADS))
+                      if k in fields})
     for key, value in fields.items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             given[key] = 0.0
@@ -228,18 +245,23 @@ def _train(model: torch.nn.Module, x: torch.Tensor, steps: int, backend=None
     return losses, grads
 
 
-def _grad_error(eager: list[dict], thunder: list[dict]) -> tuple[float, str]:
-    worst, where = 0.0, ""
+def _grad_errors(eager: list[dict], thunder: list[dict]) -> tuple[list[float], str]:
+    """Each step's largest relative gradient error over the parameters, and where the worst (by its
+    step's tolerance) is."""
+    errors, worst, where = [], 0.0, ""
     for step, (e, t) in enumerate(zip(eager, thunder)):
         floor = GRAD_FLOOR * max((g.abs().max().item() for g in e.values()), default=0.0)
+        step_error = 0.0
         for n in sorted(set(e) | set(t)):
             if n not in e or n not in t:
-                return float("inf"), f"{n} (step {step + 1}: a gradient on one side only)"
+                return [float("inf")], f"{n} (step {step + 1}: a gradient on one side only)"
             scale = max(e[n].abs().max().item(), floor)
             err = (t[n] - e[n]).abs().max().item() / scale if scale else (t[n] - e[n]).abs().max().item()
-            if not err <= worst:  # NaN counts as worst
-                worst, where = err, f"{n} (step {step + 1})"
-    return worst, where
+            step_error = err if not err <= step_error else step_error  # NaN counts as worst
+            if not err / GRAD_RTOL[step] <= worst:
+                worst, where = err / GRAD_RTOL[step], f"{n} (step {step + 1})"
+        errors.append(step_error)
+    return errors, where
 
 
 def _sdpa_calls(trace) -> list[tuple[bool, bool]]:
@@ -261,7 +283,7 @@ def effects(backend) -> dict:
     the region count and the split reasons."""
     import thunder
 
-    compiler = backend.compiler
+    compiler = getattr(backend, "compiler", backend)  # thunderfx_backend or ThunderCompiler
     fns = [fn for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
     names, calls, executed_sdpa = set(), [], False
     for fn in fns:
@@ -320,11 +342,11 @@ def conform(name: str, *, steps: int = STEPS, seq_len: int = SLIDING_WINDOW * 2,
             return Result(name, class_name, "crash", _one_line(e), implementation, tuple(eager_losses),
                           seconds=time.perf_counter() - start)
     loss_error = max(abs(t - e) / abs(e) if e else abs(t) for e, t in zip(eager_losses, thunder_losses))
-    grad_error, worst = _grad_error(eager_grads, thunder_grads)
-    matches = loss_error <= LOSS_RTOL and grad_error <= GRAD_RTOL
+    grad_errors, worst = _grad_errors(eager_grads, thunder_grads)
+    matches = loss_error <= LOSS_RTOL and all(e <= tol for e, tol in zip(grad_errors, GRAD_RTOL))
     fallbacks = tuple(dict.fromkeys(str(w.message)[:160] for w in caught if str(w.message).startswith("thunder_memopt")))
     return Result(name, class_name, "match" if matches else "mismatch", "", implementation, tuple(eager_losses),
-                  tuple(thunder_losses), loss_error, grad_error, worst, fallbacks=fallbacks,
+                  tuple(thunder_losses), loss_error, max(grad_errors), tuple(grad_errors), worst, fallbacks=fallbacks,
                   seconds=time.perf_counter() - start, **effects(backend))
 
 
@@ -370,11 +392,11 @@ def table(results: Sequence[Result]) -> str:
             "| split reasons | notes |\n|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for r in results:
-        notes = "; ".join(x for x in (r.reason, f"worst: {r.worst_parameter}" if r.status == "mismatch" else "",
+        notes = "; ".join(x for x in (r.reason, KNOWN.get(r.name, ""), f"worst: {r.worst_parameter}" if r.status == "mismatch" else "",
                                       *r.fallbacks, "" if r.attn_implementation in ("sdpa", "") else
                                       f"attention: {r.attn_implementation}") if x)
         ran = r.status in ("match", "mismatch")
-        cells = (r.name, r.model_class, r.status, _fmt(r.loss_error) if ran else "", _fmt(r.grad_error) if ran else "",
+        cells = (r.name, r.model_class, r.status, _fmt(r.loss_error) if ran else "", (" / ".join(map(_fmt, r.grad_errors)) or _fmt(r.grad_error)) if ran else "",
                  r.head, r.attention, f"{r.graphs} / {r.regions}" if ran else "", ", ".join(r.split_reasons),
                  notes.replace("|", "\\|"))
         rows.append("| " + " | ".join(cells) + " |")
@@ -412,7 +434,7 @@ Each architecture of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built from its defau
 {BATCH} x {SLIDING_WINDOW * 2} tokens, in eager and under `torch.compile(model, backend=thunderfx_backend())` (the
 default `MemoryOptimization()` and `executors()`, so the causal-mask and loss-head passes run), from the same
 weights. **match**: every step's loss within {LOSS_RTOL:g} of eager's (relative) and every parameter's gradient
-within {GRAD_RTOL:g} of its largest eager entry (or of {GRAD_FLOOR:g} of the model's largest, where that is more: a
+within {GRAD_RTOL[0]:g} (step 1) and {GRAD_RTOL[1]:g} (step 2, after an AdamW step) of its largest eager entry (or of {GRAD_FLOOR:g} of the model's largest, where that is more: a
 gradient that is zero but for rounding, as a key projection's bias under softmax, is noise). **head**: a `memopt_linear_cross_entropy*` symbol in the
 traces. **attention**: the SDPA calls Thunder traced, after the causal-mask pass (`decomposed`: on CPU Thunder
 runs them as matmuls and softmax). **graphs / regions**: dynamo graphs and the Thunder regions in them;
@@ -434,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--jsonl", type=Path, help="keep the results here, one JSON line each: an architecture "
                         "already there is not run again (unless in --rerun)")
     parser.add_argument("--rerun", nargs="+", default=(), metavar="NAME", help="run these again though in --jsonl")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: the document from --jsonl, architectures not there as 'not run'")
     parser.add_argument("--worker", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -466,6 +490,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f.write(json.dumps(dataclasses.asdict(result)) + "\n")
         return result
 
+    if args.report_only:
+        results.update({n: Result(n, _model_class(n).__name__, *(("excluded", reason) if (reason := excluded(n))
+                                                                 else ("not run",))) for n in names if n not in results})
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, [n for n in names if n not in results]))
     ordered = [results[n] for n in names]
