@@ -15,6 +15,16 @@ Its options are checked when it is built, not at the first call inside dynamo: `
 (``THUNDER_OPTIONS``), since ThunderCompiler passes every keyword on to ``thunder.jit``, which
 takes any name and ignores those it does not know.
 
+torch 2.11 traces a custom ``torch.autograd.Function`` (BLOOM's GELU in training) to
+``autograd_function_apply`` with ``saved_for_backward_idx``, where Thunder 0.2.6's lookaside reads
+``args_tensor_mask`` and fails to trace the graph (KeyError). The backend hands such nodes to
+inductor (``keep_autograd_functions_out_of_thunder``), which runs them as torch does.
+
+GPT-2's Conv1D (and other models') ``torch.addmm(bias, x, w)``, which Thunder runs only through its
+torch fallback, would split the graph at every projection; the backend writes it as
+``F.linear(x, w.t(), bias)`` (``keep_addmm_in_thunder``), which Thunder has and which torch runs as
+that same ``addmm``.
+
 transformers' mask preparation calls two ops that Thunder runs only through its torch fallback,
 ``torch.diff`` (of the position ids, for packed sequences) and ``Tensor.new_ones``; ThunderCompiler's
 splitter hands such nodes to inductor, so that the graph splits there, between the ops that make
@@ -43,7 +53,7 @@ from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = [
-    "THUNDER_OPTIONS", "keep_collectives_out_of_thunder", "keep_mask_preparation_in_thunder", "thunderfx_backend",
+    "THUNDER_OPTIONS", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "thunderfx_backend",
 ]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
@@ -118,6 +128,8 @@ def thunderfx_backend(
 
     def backend(gm, example_inputs):
         keep_collectives_out_of_thunder(gm)
+        keep_autograd_functions_out_of_thunder(gm)
+        keep_addmm_in_thunder(gm)
         keep_mask_preparation_in_thunder(gm)
         if causal_inputs:
             return compile_with_causal_inputs(gm, example_inputs, compiler)
@@ -146,7 +158,8 @@ def _run_outside_thunder(target):
     def collective(*args, **kwargs):
         return target(*args, **kwargs)
 
-    collective.__name__ = f"thunder_memopt_outside_thunder_{getattr(target, '__name__', 'op')}"
+    name = f"thunder_memopt_outside_thunder_{getattr(target, '__name__', 'op')}"
+    collective.__name__ = collective.__qualname__ = name  # what ThunderCompiler's split reasons show
     return collective
 
 
@@ -158,6 +171,39 @@ def keep_collectives_out_of_thunder(gm) -> int:
     if nodes:
         gm.recompile()
     return len(nodes)
+
+
+def keep_autograd_functions_out_of_thunder(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that each ``autograd_function_apply`` of the form
+    Thunder 0.2.6 cannot trace (no ``args_tensor_mask``: torch 2.11's) runs outside Thunder; the count."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target is torch.ops.higher_order.autograd_function_apply and "args_tensor_mask" not in n.kwargs]
+    for n in nodes:
+        n.target = _run_outside_thunder(n.target)
+    if nodes:
+        gm.recompile()
+    return len(nodes)
+
+
+def keep_addmm_in_thunder(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that each ``torch.addmm(bias, x, w)`` with a 1-d bias
+    (no ``beta``, ``alpha``) is ``F.linear(x, w.t(), bias)``: for a 2-d ``x``, aten's ``linear`` is that
+    ``addmm``, on ``w.t().t()``, a view with ``w``'s strides. The count rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.addmm or node.kwargs or len(node.args) != 3:
+            continue
+        bias, x, w = node.args
+        if not all(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor)
+                   for a in (bias, x, w)) or bias.meta["example_value"].ndim != 1:
+            continue
+        with gm.graph.inserting_before(node):
+            transposed = call_with_example_value(gm.graph, torch.t, (w,))
+        node.target, node.args = torch.nn.functional.linear, (x, transposed, bias)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 _DIFF = ("input", "n", "dim", "prepend", "append")
