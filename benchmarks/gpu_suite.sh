@@ -60,7 +60,7 @@
 #   hf-models       one GPU, the whole model compiled, 4 layers, T=8192, one invocation per model: transformers'
 #                   models at the widths of Llama-3-8B, Mistral-7B, Qwen2.5-7B, Qwen3-8B, Phi-3-mini, Gemma-2-2B,
 #                   Granite-3-8B and OLMo-2-7B (HF_MODELS picks some), inductor and thunder+memopt (issue 50)
-#   hf-models-fsdp2 the same for Qwen3-8B and Gemma-2-2B under FSDP2 with one rank, zero2 (issue 50)
+#   hf-models-fsdp2 the same for Qwen3-8B and Gemma-2-2B (HF_FSDP2_MODELS) under FSDP2 with one rank, zero2 (issue 50)
 #   sim-validate-zero2 sim-validate-zero3
 #                   SIMULATED (--simulate-world-size 2, one GPU): stablecode 8 layers, T=8192, the head in a unit of
 #                   its own as in the 2 x H200 rows of 2026-11-29/30 (--head-unit own): eager, eager-ac, inductor,
@@ -254,7 +254,7 @@ case "$GROUP" in
             transformers_4_layers "$model" "$(hf_file_name "$model")" none --distributed-mode none
         done ;;
     hf-models-fsdp2)
-        for model in Qwen3-8B Gemma-2-2B; do
+        for model in ${HF_FSDP2_MODELS:-Qwen3-8B Gemma-2-2B}; do
             transformers_4_layers "$model" "$(hf_file_name "$model")" zero2 --shard-mode zero2
         done ;;
     hf-fsdp2)
