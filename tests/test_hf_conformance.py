@@ -6,7 +6,10 @@ matrix's fp32 tolerance.
 - GPT-2: LayerNorm, Conv1D (``addmm``), learned positions, a tied head.
 - Qwen3: RMSNorm, grouped-query attention, QK-norm.
 - OLMo-2: QK-norm over the whole projection, norms after attention and MLP.
-- Gemma-2: a sliding-window layer and a full layer, sandwich norms, attention and final logit soft-caps.
+- Gemma-2: a sliding-window layer and a full layer, sandwich norms, attention and final logit soft-caps;
+  trained with the fusion executor on the CPU, as on a GPU: Thunder copies its cheap position-id ops
+  into two regions there, which the recompute pass once took apart into two producers of one name
+  (an UnboundLocalError at the first step).
 
 One layer (Gemma-2: one of each kind) and 16 tokens, so each model compiles in seconds; each is
 trained once (``functools.cache``) and shared by the tests that read it. Then the backend's route
@@ -28,15 +31,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from benchmarks.diagnostics import hf_conformance  # noqa: E402
 from benchmarks.diagnostics.hf_conformance import GRAD_RTOL, LOSS_RTOL, Result  # noqa: E402
 from thunder_memopt import thunderfx_backend  # noqa: E402
+from thunder_memopt.executors import InductorFusionExecutor, executors  # noqa: E402
+
+# The fusion executor, which runs on CUDA only, on the CPU: the executors a GPU trains with.
+CPU_FUSION = InductorFusionExecutor("memopt_fusion_conformance_cpu", devices=("cpu",))
+
+
+def _with_cpu_fusion():
+    return thunderfx_backend(executors=[CPU_FUSION, *executors()])
 
 SEQ_LEN = 16
 # Config overrides: Gemma-2's window shorter than the sequence, so that its sliding layer masks.
 VARIANTS = {"gpt2": {}, "qwen3": {}, "olmo2": {}, "gemma2": {"sliding_window": SEQ_LEN // 2}}
+BACKENDS = {"gemma2": _with_cpu_fusion}
 
 
 @functools.cache
 def conformed(name: str) -> Result:
-    return hf_conformance.conform(name, seq_len=SEQ_LEN, layers=1, **VARIANTS[name])
+    return hf_conformance.conform(name, seq_len=SEQ_LEN, layers=1, backend_factory=BACKENDS.get(name),
+                                  **VARIANTS[name])
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -364,9 +364,23 @@ class InductorFusionExecutor(TorchCompileExecutor):
         return bsym.sym.is_fusion and bsym.sym.executor is self
 
     def unfuse(self, trace: TraceCtx) -> TraceCtx:
-        """The trace with this executor's regions replaced by the symbols they hold."""
+        """The trace with this executor's regions replaced by the symbols they hold, each value made
+        once. Thunder's rematerialization copies a region's cheap producers into the regions that read
+        them, under the same names (Gemma-2's position ids, once a causal mask no longer reads them):
+        taken apart, a copy would be a second producer of a name, and regions rebuilt around the two
+        would read the name from the one that keeps it internal. A copy computes what its first
+        occurrence computed, from the same inputs, so only the first is kept."""
         out = from_trace(trace)
-        out.bound_symbols = [s for b in trace.bound_symbols for s in (b.subsymbols if self.is_own_fusion(b) else (b,))]
+        made: set[str] = set()
+        bsyms: list[BoundSymbol] = []
+        for b in trace.bound_symbols:
+            for s in b.subsymbols if self.is_own_fusion(b) else (b,):
+                names = [o.name for o in s.flat_proxy_outs]
+                if self.is_own_fusion(b) and names and made.issuperset(names):
+                    continue
+                made.update(names)
+                bsyms.append(s)
+        out.bound_symbols = bsyms
         out.set_provenance(TraceProvenance("thunder_memopt fusion: regions taken apart"))
         return out
 
