@@ -1,12 +1,13 @@
-"""Test order for pytest-xdist: the longest files first.
+"""Test order for pytest-xdist: the longest work units first.
 
 pytest-xdist runs each file's tests in one worker (--dist loadfile, pyproject.toml), so that a
 file's module fixtures and shared steps (_train.shared_train_step), among them the torchrun job
 of test_collectives.py, run once. Files that read another file's shared steps go with it
 (SHARES_STEPS_WITH: the scheduler below). (--dist loadgroup would group across files, but with
-pytest 9.2 it silently does not group: pytest-xdist issue 1386.) Files are handed out in
-collection order (--no-loadscope-reorder); a long file handed out last would run alone at the end
-while the other worker idles, so the longest go first.
+pytest 9.2 it silently does not group: pytest-xdist issue 1386.) Work units are handed out in
+collection order (--no-loadscope-reorder), each to the worker that runs out of work first; a long
+unit handed out last would run alone at the end while the other worker idles, so the collection
+is sorted by SECONDS, longest first, a file not listed there taking DEFAULT_SECONDS.
 """
 
 from __future__ import annotations
@@ -17,28 +18,30 @@ from pathlib import Path
 
 import pytest
 
-# Longest first (seconds of one worker on 2 busy cores, the whole file). Other files follow.
-LONGEST_FIRST = (
-    "test_recompute.py",  # about 300
-    "test_collectives.py",  # 150, two torchrun jobs
-    "test_loss_head.py",
-    "test_benchmark_smoke.py",  # 130, a torchrun benchmark
-    "test_memory.py",
-    "test_fusion.py",
-    "test_long_run.py",  # 75, four torchrun jobs
-    "test_causal_inputs.py",  # 70, an FSDP2 job on gloo
-    "test_benchmark_hf.py",  # 60
-    "test_checkpoint.py",  # 60
-    "test_transformers.py",  # 55
-    "test_fit.py",  # 50
-    "test_offload_faults.py",  # 45
-    "test_offload.py",
-    "test_schedule.py",
-    "test_readme.py",
-    "test_simulation.py",
-    "test_examples.py",
-    "test_bad_input.py",
-)
+# Seconds of each work unit (with the files grouped with it) in a worker of `make test`: the
+# setup, call and teardown times of its tests in a run's JUnit XML (--junitxml), summed. A file
+# not listed takes DEFAULT_SECONDS, about the median file's.
+SECONDS = {
+    "test_recompute.py": 430.0,
+    "test_collectives.py": 300.0,
+    "test_fusion.py": 210.0,
+    "test_donate.py": 145.0,
+    "test_loss_head.py": 140.0,
+    "test_benchmark_smoke.py": 135.0,
+    "test_recompute_backends.py": 110.0,
+    "test_long_run.py": 75.0,
+    "test_causal_inputs.py": 70.0,
+    "test_checkpoint.py": 60.0,
+    "test_benchmark_hf.py": 60.0,
+    "test_transformers.py": 55.0,
+    "test_schedule.py": 51.0,
+    "test_fit.py": 50.0,
+    "test_readme.py": 48.0,
+    "test_offload_faults.py": 45.0,
+    "test_simulation.py": 34.0,
+    "test_examples.py": 34.0,
+}
+DEFAULT_SECONDS = 30.0
 
 
 # A file whose tests read steps that another file's tests compute (stablecode's and Llama's plain
@@ -85,8 +88,13 @@ _one_share_of_the_cores_per_worker()
 
 
 def pytest_collection_modifyitems(items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).name, len(rank)))  # stable
+    """Longest unit first; within a unit, its own file's tests before those of the files it takes."""
+
+    def order(item: pytest.Item) -> tuple[float, str, bool]:
+        unit = work_unit(item.nodeid)
+        return -SECONDS.get(Path(unit).name, DEFAULT_SECONDS), unit, item.nodeid.split("::", 1)[0] != unit
+
+    items.sort(key=order)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(autouse=True)
