@@ -40,6 +40,12 @@ SECONDS = {
     "test_offload_faults.py": 45.0,
     "test_simulation.py": 34.0,
     "test_examples.py": 34.0,
+    # Files since, from their own runs on a loaded machine (2026-12-06), not yet from a JUnit XML.
+    "test_hf_conformance.py": 150.0,
+    "test_loss_head_scaled.py": 65.0,
+    "test_fit_first_step.py": 55.0,
+    "test_report.py": 50.0,
+    "test_trainer.py": 45.0,
 }
 DEFAULT_SECONDS = 30.0
 
