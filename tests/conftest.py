@@ -111,8 +111,13 @@ def _forget_dynamos_module_tags() -> Iterator[None]:
     which then holds every module of the earlier tests; a garbage collection during the iteration
     removes entries from it, and the iteration fails ('dictionary changed size during iteration',
     in one test of a full run before commit dd50fce, 2026-12-02). Each test starts with it empty,
-    as ``torch._dynamo.reset()`` leaves it."""
-    yield
+    as ``torch._dynamo.reset()`` leaves it, and with the earlier tests' cyclic garbage collected,
+    whose collection during a trace would remove entries (seen again in one full run, 2026-12-06)."""
+    import gc
+
     from torch._dynamo.mutation_guard import GenerationTracker
 
+    gc.collect()
+    GenerationTracker.clear()
+    yield
     GenerationTracker.clear()
