@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import thunder
@@ -163,26 +163,26 @@ def _run_outside_thunder(target):
     return collective
 
 
-def keep_collectives_out_of_thunder(gm) -> int:
-    """Rewrite a dynamo ``GraphModule`` in place so no collective lands in a Thunder region; the count."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and _is_collective_target(n.target)]
+def _send_outside_thunder(gm: torch.fx.GraphModule, matches: Callable[[torch.fx.Node], bool]) -> int:
+    """Rewrite ``gm`` in place so that each call ``matches`` picks runs outside Thunder; the count."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and matches(n)]
     for n in nodes:
         n.target = _run_outside_thunder(n.target)
     if nodes:
         gm.recompile()
     return len(nodes)
+
+
+def keep_collectives_out_of_thunder(gm) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so no collective lands in a Thunder region; the count."""
+    return _send_outside_thunder(gm, lambda n: _is_collective_target(n.target))
 
 
 def keep_autograd_functions_out_of_thunder(gm: torch.fx.GraphModule) -> int:
     """Rewrite a dynamo ``GraphModule`` in place so that each ``autograd_function_apply`` of the form
     Thunder 0.2.6 cannot trace (no ``args_tensor_mask``: torch 2.11's) runs outside Thunder; the count."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
-             and n.target is torch.ops.higher_order.autograd_function_apply and "args_tensor_mask" not in n.kwargs]
-    for n in nodes:
-        n.target = _run_outside_thunder(n.target)
-    if nodes:
-        gm.recompile()
-    return len(nodes)
+    return _send_outside_thunder(gm, lambda n: n.target is torch.ops.higher_order.autograd_function_apply
+                                 and "args_tensor_mask" not in n.kwargs)
 
 
 def keep_addmm_in_thunder(gm: torch.fx.GraphModule) -> int:
