@@ -254,8 +254,8 @@ def test_the_memory_model_gives_cudnn_attentions_outputs_the_layouts_cudnn_alloc
     def attention(qkv, grad):
         q, k, v = (ltorch.transpose(ltorch.reshape(t, (1, 128, 4, 64)), 1, 2) for t in ltorch.split(qkv, 256, -1))
         q, k = ltorch.contiguous(q), ltorch.contiguous(k)
-        out, lse, seed, offset = cudnn_sdpa_fwd(q, k, v, True, None)
-        return out, cudnn_sdpa_bwd(grad, q, k, v, out, lse, seed, offset, True, None)
+        out, lse, seed, offset = cudnn_sdpa_fwd(q, k, v, None, True, None)
+        return out, cudnn_sdpa_bwd(grad, q, k, v, out, lse, seed, offset, None, True, None)
 
     trace = thunder.trace(inline_trace=False)(attention, torch.empty(1, 128, 768, dtype=torch.bfloat16),
                                               torch.empty(1, 4, 128, 64, dtype=torch.bfloat16))
@@ -427,18 +427,42 @@ def _qkv(shape=(1, 4, 128, 64), *, dtype=dtypes.bfloat16, device="cuda:0", k_sha
         (_qkv(dtype=dtypes.float16), {}, True),
         (_qkv(dtype=dtypes.float32), {}, False),  # cuDNN attention is fp16/bf16 only
         (_qkv((1, 4, 128, 60)), {}, False),  # head size not a multiple of 8
-        (_qkv((1, 4, 128, 256)), {}, False),  # head size above 128
+        (_qkv((1, 4, 128, 256)), {}, False),  # head size above 128 (off sm90: see the next test)
         (_qkv(device="cpu"), {}, False),
         (_qkv(k_shape=(1, 2, 128, 64)), {}, False),  # grouped heads: left to the sdpa executor
         (_qkv(), {"dropout_p": 0.1}, False),
-        (_qkv(), {"attn_mask": "mask"}, False),
+        (_qkv(), {"attn_mask": ((1, 1, 128, 128), dtypes.bool8)}, True),  # transformers' boolean mask
+        (_qkv(), {"attn_mask": ((1, 4, 128, 128), dtypes.bfloat16)}, True),  # additive, the query's dtype
+        (_qkv(), {"attn_mask": ((1, 1, 128, 128), dtypes.float32)}, False),  # additive, another dtype
+        (_qkv(), {"attn_mask": ((1, 1, 128, 128), dtypes.bfloat16, "requires_grad")}, False),
+        (_qkv(), {"attn_mask": ((1, 1, 1, 128), dtypes.bool8)}, False),  # broadcast over queries
+        (_qkv(), {"attn_mask": ((1, 4, 128, 64), dtypes.bfloat16)}, False),  # not the scores' shape
+        (_qkv(), {"attn_mask": ((128, 128), dtypes.bool8)}, False),  # 2-d
     ],
 )
-def test_cudnn_attention_checker_falls_back_where_cudnn_does_not_serve(inputs, options, served):
+def test_cudnn_attention_checker_falls_back_where_cudnn_does_not_serve(inputs, options, served, monkeypatch):
+    import thunder_memopt.executors.cudnn_attention as cudnn_attention
+
+    monkeypatch.setattr(cudnn_attention, "max_head_size", lambda index: cudnn_attention.MAX_HEAD_SIZE)
     options = dict(options)
-    if options.get("attn_mask") == "mask":
-        options["attn_mask"] = inputs[0]
+    if "attn_mask" in options:
+        shape, dtype, *requires_grad = options["attn_mask"]
+        with tracectx(TraceCtx()):
+            options["attn_mask"] = TensorProxy(shape=shape, device=inputs[0].device, dtype=dtype,
+                                               requires_grad=bool(requires_grad))
     assert cudnn_supports(*inputs, **options) is served
+
+
+@pytest.mark.parametrize("capability, cudnn, served", [((9, 0), 91002, True), ((9, 0), 90800, False),
+                                                       ((8, 0), 91002, False), ((10, 0), 91002, False)])
+def test_cudnn_attention_takes_head_size_256_where_torch_does(capability, cudnn, served, monkeypatch):
+    """As torch 2.11's check_cudnn_tensor_shapes: head sizes up to 256 with cuDNN 9.10 or later on
+    sm90 exactly (Gemma-2's 256), up to 128 elsewhere."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    assert cudnn_supports(*_qkv((1, 4, 128, 256)), is_causal=True) is served
+    assert cudnn_supports(*_qkv((1, 4, 128, 264)), is_causal=True) is False
 
 
 def test_on_cpu_attention_is_not_claimed_by_cudnn():

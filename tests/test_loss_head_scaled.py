@@ -21,7 +21,7 @@ import torch
 from _hf import symbol_names
 from thunder_memopt import thunderfx_backend
 from thunder_memopt.executors import linear_cross_entropy
-from thunder_memopt.executors._head_shapes import chunk_tokens, padded_row, spans, vocabulary_width
+from thunder_memopt.executors._head_shapes import aligned_classes, chunk_tokens, padded_row, spans, vocabulary_width
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 FP32_GRAD = dict(rtol=1e-4, atol=1e-5)
@@ -151,3 +151,27 @@ def test_every_matmul_shape_the_head_chooses_is_a_multiple_of_128(vocab, tokens)
     for chunk in (cpu, cuda):
         assert all((stop - start) % 128 == 0 for start, stop in spans(vocab, vocabulary_width(tokens, vocab, chunk))[:-1])
     assert padded_row(vocab, 2) % 8 == 0 and 0 <= padded_row(vocab, 2) - vocab < 8
+
+
+@pytest.mark.parametrize("vocab", [49155, 1003])
+def test_a_vocabulary_of_odd_width_is_one_matmul_of_whole_16_bytes_and_one_of_the_rest(vocab, monkeypatch):
+    """Where the classes are not a whole number of 16 bytes (Granite's 49155), the head's logits come
+    from two matmuls, the classes up to the last whole 16 bytes and the few left (on CUDA, where one
+    matmul of such a width runs on a slow kernel; here on CPU through the same code): the same values
+    as one matmul, bit for bit, in the head's aligned logits buffer."""
+    import thunder_memopt.executors.chunked_cross_entropy as head
+
+    assert aligned_classes(vocab, 2) == vocab // 8 * 8 and aligned_classes(vocab, 4) == vocab // 4 * 4
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = torch.randn(64, 32, generator=g), torch.randn(vocab, 32, generator=g), torch.randn(vocab)
+    for b in (None, bias):
+        expected = torch.nn.functional.linear(hidden, weight, b)
+        monkeypatch.setattr(head, "SPLIT_DEVICES", {"cuda", "cpu"})
+        calls = []
+        monkeypatch.setattr(head.torch, "mm", lambda *a, **k: calls.append(a[1].shape) or torch.matmul(*a, **k))
+        monkeypatch.setattr(head.torch, "addmm",
+                            lambda c, x, w, out: calls.append(w.shape) or torch.add(c, x @ w, out=out))
+        got = head._linear(hidden, weight, b)
+        monkeypatch.undo()
+        assert calls == [(32, vocab // 4 * 4), (32, vocab % 4)]
+        assert torch.equal(got, expected)

@@ -7,12 +7,13 @@ has a leading dimension aligned to 16 bytes, which Hopper's TMA-based cuBLAS ker
 unaligned one falls back to sm80 kernels: at Qwen3's vocabulary, 151936, slices of 2374 classes
 made the backward's matmuls run 2-3 times longer). A vocabulary that is not a multiple of 8 gets
 its logits in a buffer whose rows are padded to 16 bytes (``padded_row``), as inductor's
-``shape_padding`` pads such matmuls.
+``shape_padding`` pads such matmuls, and its matmul is made in two, the classes of whole 16 bytes
+(``aligned_classes``) and the few left.
 """
 
 from __future__ import annotations
 
-__all__ = ["chunk_tokens", "vocabulary_width", "padded_row", "spans"]
+__all__ = ["chunk_tokens", "vocabulary_width", "padded_row", "aligned_classes", "spans"]
 
 # Elements of one chunk's fp32 logits (128 MiB): big enough for efficient matmuls, small next to
 # the activations.
@@ -64,6 +65,13 @@ def padded_row(columns: int, element_bytes: int) -> int:
     aligned: ``columns`` rounded up to a multiple of 16 bytes."""
     per = max(1, _ALIGN_BYTES // element_bytes)
     return -(-columns // per) * per
+
+
+def aligned_classes(columns: int, element_bytes: int) -> int:
+    """The most of ``columns`` that fill whole 16-byte groups: ``columns`` rounded down to a multiple
+    of 16 bytes' elements."""
+    per = max(1, _ALIGN_BYTES // element_bytes)
+    return columns // per * per
 
 
 def spans(total: int, step: int) -> list[tuple[int, int]]:

@@ -7,8 +7,13 @@ releases; torch 2.11 ships ``aten._scaled_dot_product_cudnn_attention`` and its 
 need neither.
 
 The checker claims only what cuDNN serves: CUDA tensors of one dtype, fp16 or bf16, 4-d, with equal
-batch, heads and head size (a multiple of 8, at most 128), no mask and no dropout. Everything else
-falls through to the next executor in the list (Thunder's sdpa executor). So does everything under
+batch, heads and head size (a multiple of 8, at most 128, or 256 where torch 2.11 allows it: cuDNN
+9.10 or later on sm90), no dropout, and no mask or a mask that broadcasts to the scores without a
+gradient: boolean, made additive as torch's SDPA makes it for cuDNN (``_additive_bias``), or of the
+query's dtype. Thunder's sdpa executor runs a masked attention on the memory-efficient kernel:
+45 ms a layer forward and backward for Gemma-2-2B's sliding-window layers at T=8192, where cuDNN
+takes 9 (1xH100, benchmarks/results/hf_gemma_2_2b_4l_none_1xH100_T8192_profile.md). Everything
+else falls through to the next executor in the list (Thunder's sdpa executor). So does everything under
 ``torch.use_deterministic_algorithms(True)``, with one warning: there torch 2.11's cuDNN backward
 still does not repeat its bits (benchmarks/results/determinism_h200.md), where flash's does. The forward saves what
 flash saves (q, k, v, the output, the log-sum-exp and the RNG seed and offset), and its symbols
@@ -30,20 +35,49 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import OUTPUT_STRIDES, dense_strides_like
 
-__all__ = ["cudnn_attention_ex", "cudnn_supports"]
+__all__ = ["cudnn_attention_ex", "cudnn_supports", "max_head_size"]
 
 cudnn_attention_ex = OperatorExecutor("memopt_cudnn_attention", version=torch.__version__)
 register_executor(cudnn_attention_ex)
 
 MAX_HEAD_SIZE = 128
+# torch 2.11's check_cudnn_tensor_shapes (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp):
+# head sizes up to 256 with cuDNN 9.10 or later on sm90 exactly.
+HOPPER_MAX_HEAD_SIZE = 256
+_HOPPER_CUDNN = 91000
 _DTYPES = (dtypes.bfloat16, dtypes.float16)
+# What torch's SDPA puts where a boolean mask is False before it calls cuDNN
+# (convert_boolean_attn_mask_cudnn, in aten/src/ATen/native/transformers/attention.cpp).
+_MASKED_BIAS = -65504.0
+
+
+def max_head_size(device_index: int | None) -> int:
+    """The largest head size cuDNN attention takes on that CUDA device, as torch 2.11 decides it."""
+    if not torch.cuda.is_available() or (torch.backends.cudnn.version() or 0) < _HOPPER_CUDNN:
+        return MAX_HEAD_SIZE
+    hopper = torch.cuda.get_device_capability(device_index or 0) == (9, 0)
+    return HOPPER_MAX_HEAD_SIZE if hopper else MAX_HEAD_SIZE
+
+
+def _mask_served(attn_mask, query: TensorProxy, key: TensorProxy) -> bool:
+    """No mask, or a mask of the scores' shape (batch and heads may broadcast) that is boolean or of
+    the query's dtype, on the query's device, and takes no gradient."""
+    if attn_mask is None:
+        return True
+    if not isinstance(attn_mask, TensorProxy) or attn_mask.ndim != 4 or attn_mask.requires_grad:
+        return False
+    if not (dtypes.is_boolean_dtype(attn_mask.dtype) or attn_mask.dtype == query.dtype) or attn_mask.device != query.device:
+        return False
+    (b, h, s_q, _), s_k = query.shape, key.shape[2]
+    mb, mh, ms_q, ms_k = attn_mask.shape
+    return mb in (1, b) and mh in (1, h) and (ms_q, ms_k) == (s_q, s_k)
 
 
 def cudnn_supports(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                    *, scale: float | None = None) -> bool:
     """Whether cuDNN attention serves these inputs (the executor's checker)."""
     tensors = (query, key, value)
-    if not all(isinstance(t, TensorProxy) for t in tensors) or attn_mask is not None:
+    if not all(isinstance(t, TensorProxy) for t in tensors):
         return False
     if not isinstance(dropout_p, (int, float)) or dropout_p != 0.0 or not isinstance(is_causal, bool):
         return False
@@ -54,7 +88,9 @@ def cudnn_supports(query, key, value, attn_mask=None, dropout_p: float = 0.0, is
     (b, h, _, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = (tuple(t.shape) for t in tensors)
     if not (b == bk == bv and h == hk == hv and sk == sv and d == dk == dv):
         return False
-    if d % 8 or d > MAX_HEAD_SIZE:
+    if d % 8 or d > max_head_size(query.device.index):
+        return False
+    if not _mask_served(attn_mask, query, key):
         return False
     if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
         # A different kernel, so said; with warn_only torch keeps cuDNN and warns itself.
@@ -64,7 +100,16 @@ def cudnn_supports(query, key, value, attn_mask=None, dropout_p: float = 0.0, is
     return True
 
 
-def _forward_meta(query: TensorProxy, key: TensorProxy, value: TensorProxy, is_causal: bool, scale: float | None):
+def _additive_bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as cuDNN takes it: a boolean one as torch's SDPA makes it for cuDNN (0 where True,
+    _MASKED_BIAS where False, in the query's dtype); an additive one as it is."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    return torch.where(attn_mask, 0.0, _MASKED_BIAS).to(dtype)
+
+
+def _forward_meta(query: TensorProxy, key: TensorProxy, value: TensorProxy, attn_mask, is_causal: bool,
+                  scale: float | None):
     b, h, s, _ = query.shape
     return (
         TensorProxy(like=query, shape=(b, h, s, value.shape[-1])),
@@ -74,9 +119,9 @@ def _forward_meta(query: TensorProxy, key: TensorProxy, value: TensorProxy, is_c
     )
 
 
-def _forward_impl(query, key, value, is_causal, scale):
+def _forward_impl(query, key, value, attn_mask, is_causal, scale):
     out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        query, key, value, None, True, 0.0, is_causal, False, scale=scale
+        query, key, value, _additive_bias(attn_mask, query.dtype), True, 0.0, is_causal, False, scale=scale
     )
     return out, lse, seed, offset
 
@@ -87,16 +132,17 @@ cudnn_sdpa_fwd = cudnn_attention_ex.register_operator(
 )
 
 
-def _backward_meta(grad, query, key, value, out, lse, seed, offset, is_causal, scale):
+def _backward_meta(grad, query, key, value, out, lse, seed, offset, attn_mask, is_causal, scale):
     return (TensorProxy(like=query), TensorProxy(like=key), TensorProxy(like=value))
 
 
-def _backward_impl(grad, query, key, value, out, lse, seed, offset, is_causal, scale):
+def _backward_impl(grad, query, key, value, out, lse, seed, offset, attn_mask, is_causal, scale):
     s_q, s_k = query.shape[-2], key.shape[-2]
     if grad.stride() != out.stride():  # cuDNN reads the output's gradient in the output's layout
         grad = torch.empty_like(out).copy_(grad)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad, query, key, value, out, lse, seed, offset, None, None, None, s_q, s_k, 0.0, is_causal, scale=scale
+        grad, query, key, value, out, lse, seed, offset, _additive_bias(attn_mask, query.dtype), None, None,
+        s_q, s_k, 0.0, is_causal, scale=scale
     )
 
 
@@ -117,7 +163,7 @@ def _tokens_major(t: TensorProxy) -> TensorProxy:
 
 def _execution(query: Proxy, key: Proxy, value: Proxy, attn_mask=None, dropout_p: float = 0.0,
                is_causal: bool = False, *, scale: float | None = None):
-    out, _, _, _ = cudnn_sdpa_fwd(_tokens_major(query), key, value, is_causal, scale)
+    out, _, _, _ = cudnn_sdpa_fwd(_tokens_major(query), key, value, attn_mask, is_causal, scale)
     return out
 
 
@@ -125,8 +171,9 @@ def _grad(query: Proxy, key: Proxy, value: Proxy, attn_mask=None, dropout_p: flo
           is_causal: bool = False, *, scale: float | None = None):
     # The same values as the query, so its gradient is the query's.
     tokens_major = _tokens_major(query)
-    out, lse, seed, offset = cudnn_sdpa_fwd(tokens_major, key, value, is_causal, scale)
-    grads = cudnn_sdpa_bwd(get_grad(out), tokens_major, key, value, out, lse, seed, offset, is_causal, scale)
+    out, lse, seed, offset = cudnn_sdpa_fwd(tokens_major, key, value, attn_mask, is_causal, scale)
+    grads = cudnn_sdpa_bwd(get_grad(out), tokens_major, key, value, out, lse, seed, offset, attn_mask, is_causal,
+                           scale)
     put_grads((query, key, value), grads)
     return out
 
