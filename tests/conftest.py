@@ -107,17 +107,15 @@ def pytest_collection_modifyitems(items) -> None:
 def _forget_dynamos_module_tags() -> Iterator[None]:
     """Once dynamo has run in a process (the ThunderCompiler tests), it tags every nn.Module built
     afterwards in a weak dictionary (``GenerationTracker``). litgpt's forward builds an
-    ``nn.Identity``, so Thunder's interpreter, tracing a later test's model, iterates that dictionary,
-    which then holds every module of the earlier tests; a garbage collection during the iteration
-    removes entries from it, and the iteration fails ('dictionary changed size during iteration',
-    in one test of a full run before commit dd50fce, 2026-12-02). Each test starts with it empty,
-    as ``torch._dynamo.reset()`` leaves it, and with the earlier tests' cyclic garbage collected,
-    whose collection during a trace would remove entries (seen again in one full run, 2026-12-06)."""
-    import gc
-
+    ``nn.Identity``, so Thunder's interpreter, tracing a later test's model, iterates that dictionary;
+    a garbage collection during the iteration that frees an earlier test's modules removes their
+    entries, and the iteration fails ('dictionary changed size during iteration', in one test of a
+    full run before commit dd50fce, 2026-12-02, and again 2026-12-06). Each test starts and ends with
+    it empty, as ``torch._dynamo.reset()`` leaves it, so no earlier test's module is in it. (A
+    ``gc.collect()`` before each test instead cost 3-6 s a test in a worker that had run a hundred
+    tests, most of the suite's time.)"""
     from torch._dynamo.mutation_guard import GenerationTracker
 
-    gc.collect()
     GenerationTracker.clear()
     yield
     GenerationTracker.clear()
