@@ -123,8 +123,8 @@ class FitPlanner:
     apart share a key, and count as one program called by each."""
 
     def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None, optimizer_states: int = 2,
-                 parameters: Callable[[], Iterable[torch.Tensor]] = tuple) -> None:
-        self.limit, self.rates = limit, rates
+                 parameters: Callable[[], Iterable[torch.Tensor]] = tuple, over_limit: str = "raise") -> None:
+        self.limit, self.rates, self.over_limit = limit, rates, over_limit
         # The optimizer's states per parameter, and the parameters it steps besides FSDP2's (the
         # modules jitted with the transform): the first step's terms (``fit.first_step``).
         self.optimizer_states, self.parameters = optimizer_states, parameters
@@ -170,6 +170,13 @@ class FitPlanner:
                        for rung in rungs) if later else ()
         choice = fit.choose_by_limit(rungs, terms, limit, others)
         if not choice.fits:
+            # With the programs planned before this one at their least saved bytes, which a second
+            # plan can take (check_fit), a rung may fit: only where none does is the limit refused.
+            least = {q: min(r.saved_bytes for r in c.rungs) for q, c in self.choices.items() if q != key}
+            lowest = min(fit.choose_by_limit(rungs, self._terms(key, {**saved, **least}), limit,
+                                             others).predicted_peaks)
+            if lowest > limit and self.over_limit == "raise":
+                raise fit.MemoryLimitError(fit.refusal(limit, lowest))
             warnings.warn(f"thunder_memopt: no recompute plan fits memory_limit={limit} bytes; the lowest "
                           f"predicted peak, {choice.predicted_peak_bytes} bytes, is taken")
         self.choices[key] = choice

@@ -5,7 +5,10 @@ program (under ``thunder.jit`` the whole model; under FSDP2 with ``torch.compile
 distinct graph, a Block's running once per Block), the recompute ladder's rungs
 (``recompute.plan_ladder``) are priced on the real traces (``recompute.price_ladder``), and the rung
 with the least modelled recompute time whose predicted whole-step peak stays under the limit is
-taken (``choose_by_limit``). Where none does, the lowest predicted peak is taken, with one warning.
+taken (``choose_by_limit``). Where none does, even with the programs planned before it at their
+least saved bytes, ``over_limit`` says what follows (``OVER_LIMIT``): "raise", a ``MemoryLimitError``
+of one line at the program's compile, before its first step runs, with the lowest predicted peak
+and what to change (``refusal``); "lowest", the lowest predicted peak, with one warning.
 
 The whole step's predicted peak, for one rung of one program (``StepTerms.peak``)::
 
@@ -87,6 +90,8 @@ __all__ = [
     "AUTO_MARGIN",
     "NOMINAL_RATES",
     "MemoryLimit",
+    "OVER_LIMIT",
+    "MemoryLimitError",
     "DeviceMemory",
     "RungCost",
     "StepTerms",
@@ -100,6 +105,8 @@ __all__ = [
     "resolve_memory_limit",
     "recompute_seconds",
     "choose_by_limit",
+    "checked_over_limit",
+    "refusal",
     "check_fit",
     "fsdp2_units",
     "first_step",
@@ -112,6 +119,9 @@ AUTO_MARGIN = 0.05
 # An H200's datasheet rates (bf16 dense FLOPs, HBM bandwidth, PCIe 5 copies), to rank rungs where
 # no device is measured.
 NOMINAL_RATES = DeviceRates(to_host=55e9, to_device=55e9, flops=989e12, memory=4.8e12)
+
+# What a limit that no plan fits does (MemoryOptimization's over_limit): refuse, or take the lowest plan.
+OVER_LIMIT = ("raise", "lowest")
 
 _KINDS = ("bytes (an int > 0, or a float > 1 that is a whole number: 40e9), a fraction of the CUDA device's "
           "memory (a float in (0, 1]) or 'auto'")
@@ -147,6 +157,30 @@ def checked_memory_limit(value: object) -> MemoryLimit | None:
         raise ValueError(f"memory_limit={value!r} is relative to a CUDA device's memory and there is none; "
                          "give the limit in bytes (an int)")
     return value
+
+
+def checked_over_limit(value: object) -> str:
+    """``value`` as ``over_limit``: one of ``OVER_LIMIT``, or a one-line ValueError naming it."""
+    if not isinstance(value, str) or value not in OVER_LIMIT:
+        raise ValueError(f"over_limit must be one of {list(OVER_LIMIT)}, got {value!r}")
+    return value
+
+
+class MemoryLimitError(RuntimeError):
+    """No recompute plan fits ``memory_limit`` (with ``over_limit="raise"``): raised at a program's
+    compile, before its first step runs; the message is one line (``refusal``)."""
+
+
+def refusal(limit_bytes: int, lowest_bytes: int) -> str:
+    """The one line that refuses a limit: the lowest predicted peak, and what to change."""
+    return (f"thunder_memopt: no recompute plan fits memory_limit={limit_bytes} bytes ({_binary(limit_bytes)}): "
+            f"the lowest predicted peak is {lowest_bytes} bytes ({_binary(lowest_bytes)}); shorten the "
+            f"sequence (T) or the micro-batch, shard over more ranks (world size, zero3), offload saved tensors "
+            f"(offload='budget'), or raise the limit; over_limit='lowest' takes the lowest plan with a warning")
+
+
+def _binary(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True)
