@@ -129,3 +129,26 @@ def test_the_launchers_bad_over_limit_is_argparses_one_line_error(argv, environ,
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.startswith(f"{launch.PROG}: error: ") and ("over_limit" in error or "OVER_LIMIT" in error
                                                                or "--over-limit" in error), error
+
+
+@pytest.mark.parametrize("over_limit", [None, "lowest"])
+def test_the_benchmarks_fit_rows_take_over_limit(over_limit, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.fsdp2 import backends, cli
+
+    argv = ["--compile", "thunder+memopt-fit", "--memory-limit", "45"]
+    args, parser = cli.parse_args(argv + ([] if over_limit is None else ["--memopt-over-limit", over_limit]))
+    cli.resolve_defaults(args, parser, cuda=False)
+    (trial,) = cli.sweep_trials(args, cli.trial_template(args, world_size=1))
+    assert trial.compilation.over_limit == over_limit
+    tag = "" if over_limit is None else f" [over limit: {over_limit}]"
+    assert backends.label({"row_type": "run", **trial.key()}) == f"thunder+memopt-fit 45 GiB{tag}"
+    compiled = backends.thunder_compiled(torch.nn.Linear(4, 4), trial, torch.device("cpu"), memopt_executors=False,
+                                         memory_optimization=True, fit=True)
+    assert compiled.memopt.over_limit == (over_limit or "raise")
+    with pytest.raises(SystemExit) as exited:
+        cli.parse_args(argv + ["--memopt-over-limit", "warn"])
+    assert exited.value.code == 2 and "--memopt-over-limit" in capsys.readouterr().err.splitlines()[-1]
