@@ -152,3 +152,26 @@ def test_the_benchmarks_fit_rows_take_over_limit(over_limit, capsys):
     with pytest.raises(SystemExit) as exited:
         cli.parse_args(argv + ["--memopt-over-limit", "warn"])
     assert exited.value.code == 2 and "--memopt-over-limit" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_under_thunderfx_backend_the_prediction_prices_the_backward_as_scheduled():
+    """The backward ThunderCompiler hands over computes a SiLU's derivative terms at its start and
+    holds them through the loss's backward; the schedule pass moves them to their use. Priced in
+    the order handed over, this step was predicted 44% over its measured peak (9,316,360 B measured
+    against 13,453,824 predicted); priced as scheduled, within 3% (fit.price_rungs)."""
+    from thunder_memopt.measure import peak_live_bytes
+    from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
+
+    torch._dynamo.reset()
+    config = narrow_config("Llama-3-8B", n_layer=2, n_embd=128, block_size=256)
+    model = GPTWithLoss(build_model(config, dtype=torch.float32, seed=0))
+    memopt = MemoryOptimization(memory_limit=1 << 40, optimizer_states=0)
+    compiled = torch.compile(model, backend=thunderfx_backend(memopt, fusion=False))
+    x, y = random_batch(config, batch_size=1, seq_len=256)
+    compiled(x, y).backward()
+    model.zero_grad(set_to_none=True)
+    resident = sum(t.nbytes for t in (*model.parameters(), *model.buffers(), x, y))
+    measured = resident + peak_live_bytes(lambda: compiled(x, y).backward())
+    (choice,) = memopt.fit_report.choices
+    assert choice.predicted_peak_bytes == pytest.approx(measured, rel=0.03), (choice.predicted_peak_bytes, measured)
+    torch._dynamo.reset()

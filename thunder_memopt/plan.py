@@ -9,7 +9,7 @@ and the step is composed from those programs as the benchmark runs it (``benchma
 units of each Block, the embedding and the root, under ``thunderfx_backend``) with ``fit``'s terms:
 the parameters' shards and FSDP2's gathered parameters (``fit.first_step``, from ``Fsdp2Unit``s
 computed from the parameters' shapes), the optimizer's states, the gradients of the units whose
-backward has run, and every Block's saved tensors; and the optimizer's step, as torch's foreach
+backward has run (``fit.first_step``'s too), and every Block's saved tensors; and the optimizer's step, as torch's foreach
 AdamW takes it. Reserved memory is not predicted.
 """
 
@@ -184,16 +184,13 @@ def plan_step(config, block: Program, head: Program, *, n_layer: int, world_size
         """What the step holds beside the programs' own activations while ``program`` runs its backward:
         its inputs, the first step's terms, the gradients of the units whose backward has run."""
         us = units(running)
-        if fsdp2:
+        if fsdp2:  # with the gradients of the other Blocks (their shards) and the root's, whole
             first = fit.first_step(us, 0, optimizer_states, states_made=False, allocated_seen=False).bytes
-        else:  # one device: the parameters whole, no gathered copies
+        else:  # one device: the parameters whole, no gathered copies; the gradients as FSDP2's
             local = sum(u.sharded_bytes for u in us)
-            first = optimizer_states * local + local - program.parameter_bytes
-        # In the last Block's backward, the other Blocks' gradients are reduce-scattered (their shards);
-        # the root's stay whole until the whole backward ends; the embedding's are not made yet.
-        grads = sum(u.unsharded_bytes if u.root else u.sharded_bytes for u in us[:-2] + us[-1:]
-                    if not u.running) if running == "block" else 0
-        return program.input_bytes + first + grads + batch
+            grads = sum(u.sharded_bytes for u in us[:-2] + us[-1:] if not u.running) if running == "block" else 0
+            first = optimizer_states * local + local - program.parameter_bytes + grads
+        return program.input_bytes + first + batch
 
     # The optimizer's step, as torch's foreach AdamW runs it: the shards, their gradients, the states,
     # and one temporary of the shards' size (torch.optim.adam._multi_tensor_adam's exp_avg_sq_sqrt).

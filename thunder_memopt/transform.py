@@ -240,7 +240,8 @@ class MemoryOptimization(Transform):
         self.over_limit = over_limit
         self._fit = None if memory_limit is None else FitPlanner(
             memory_limit, offload_rates, self.optimizer_states,
-            lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()), over_limit)
+            lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()), over_limit,
+            scheduled="schedule" in passes)
         self._modules: list[weakref.ref[ThunderModule]] = []  # those jitted with this instance
         self._schedule = ScheduleStage()
         self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
