@@ -1,4 +1,4 @@
-"""Command line: ``python -m thunder_memopt report [options]`` (also the ``thunder-memopt`` script).
+"""Command line: ``python -m thunder_memopt report|plan [options]`` (also the ``thunder-memopt`` script).
 
 Subcommands are argparse's: an unknown one, like a bad flag, is a one-line usage error (exit 2).
 Each subcommand parses its own options, so ``report --help`` lists the report's.
@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     # The report's own parser (thunder_memopt.report.parse_args) documents and checks its options.
     commands.add_parser("report", add_help=False, help="what a litgpt model saves and its step's peak, "
                         "plain Thunder against MemoryOptimization (report --help for its options)")
+    commands.add_parser("plan", add_help=False, help="a training step's predicted per-rank peak allocated memory "
+                        "and the plan memory_limit takes, before launch, without a GPU (plan --help)")
     return parser
 
 
@@ -35,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from thunder_memopt.report import main as report_main
 
         report_main(argv[end:])
+    elif command == "plan":
+        from thunder_memopt.plan import main as plan_main
+
+        plan_main(argv[end:])
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from thunder_memopt import arguments
 from thunder_memopt.executors import executors as memopt_executors
 from thunder_memopt.executors.offload import check_host_memory_limit
 from thunder_memopt.options import PluginOptions
+from thunder_memopt.passes import fit
 from thunder_memopt.transform import HEAD_GRADIENTS, MemoryOptimization
 
 __all__ = ["ENV_PREFIX", "FLAGS", "main", "parse", "with_plugin", "enable"]
@@ -74,6 +75,8 @@ FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
                                              "GPU's (0.9) or auto, instead of --activation-budget"),
     "optimizer_states": (arguments.non_negative_int, "with --memory-limit: the optimizer's tensors per parameter "
                                                      "(AdamW: 2)"),
+    "over_limit": (_choice(*fit.OVER_LIMIT), "with --memory-limit, a limit no plan fits: raise (a one-line "
+                                             "error before the first step) or lowest (the lowest plan, a warning)"),
     "offload": (_choice("off", "auto", "budget"), "saved tensors to pinned host memory: off, auto or budget"),
     "offload_budget": (arguments.fraction, "with --offload budget: the share of saved bytes left on the GPU"),
     "host_memory_limit": (_host_memory_limit, "the pinned host memory offload may hold: bytes (64GiB) or auto"),
@@ -190,7 +193,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     enable(plugin)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts it first
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except fit.MemoryLimitError as e:  # the refusal is its one line, not a traceback through the compile
+        sys.exit(f"{PROG}: {e}")
 
 
 if __name__ == "__main__":

@@ -123,8 +123,10 @@ class FitPlanner:
     apart share a key, and count as one program called by each."""
 
     def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None, optimizer_states: int = 2,
-                 parameters: Callable[[], Iterable[torch.Tensor]] = tuple) -> None:
-        self.limit, self.rates = limit, rates
+                 parameters: Callable[[], Iterable[torch.Tensor]] = tuple, over_limit: str = "raise",
+                 scheduled: bool = True) -> None:
+        self.limit, self.rates, self.over_limit = limit, rates, over_limit
+        self.scheduled = scheduled  # the schedule pass orders the backwards (fit.price_rungs)
         # The optimizer's states per parameter, and the parameters it steps besides FSDP2's (the
         # modules jitted with the transform): the first step's terms (``fit.first_step``).
         self.optimizer_states, self.parameters = optimizer_states, parameters
@@ -146,7 +148,7 @@ class FitPlanner:
         device = torch.device(next(iter(_devices(forward)), "cpu"))
         memory = fit.device_memory(device)
         limit = fit.resolve_memory_limit(self.limit, memory)
-        estimates = recompute.price_ladder(plans, forward, backward)
+        estimates = fit.price_rungs(plans, forward, backward, scheduled=self.scheduled)
         rates = self.rates or (measure_rates(device) if memory is not None else fit.NOMINAL_RATES)
         rungs = [fit.RungCost(plan.saved_bytes_after, estimate.peak_bytes, seconds)
                  for plan, estimate, seconds in zip(plans, estimates, fit.recompute_seconds(plans, rates))]
@@ -159,8 +161,10 @@ class FitPlanner:
             self.first_steps[key] = self._first_step(memory is not None)
             self.calls.setdefault(key, self.first_steps[key].calls)
             # What each program planned before this one saved per call then: on CUDA in this one's
-            # static term, the allocator's bytes; not in the trace's inputs (CPU, meta).
-            self.before[key] = self._saved_per_call() if memory is not None else {}
+            # static term, the allocator's bytes; not in the trace's inputs (CPU, meta), where the
+            # static term takes them from nothing, over their calls (``_static``).
+            earlier = self._saved_per_call()
+            self.before[key] = earlier if memory is not None else dict.fromkeys(earlier, 0)
         saved = self._saved_per_call()
         terms = self._terms(key, saved)
         # The later programs that hold this one's saved tensors in their static term (a loss head
@@ -170,6 +174,13 @@ class FitPlanner:
                        for rung in rungs) if later else ()
         choice = fit.choose_by_limit(rungs, terms, limit, others)
         if not choice.fits:
+            # With the programs planned before this one at their least saved bytes, which a second
+            # plan can take (check_fit), a rung may fit: only where none does is the limit refused.
+            least = {q: min(r.saved_bytes for r in c.rungs) for q, c in self.choices.items() if q != key}
+            lowest = min(fit.choose_by_limit(rungs, self._terms(key, {**saved, **least}), limit,
+                                             others).predicted_peaks)
+            if lowest > limit and self.over_limit == "raise":
+                raise fit.MemoryLimitError(fit.refusal(limit, lowest))
             warnings.warn(f"thunder_memopt: no recompute plan fits memory_limit={limit} bytes; the lowest "
                           f"predicted peak, {choice.predicted_peak_bytes} bytes, is taken")
         self.choices[key] = choice

@@ -166,6 +166,10 @@ class MemoryOptimization(Transform):
             each of the parameter's (under FSDP2, its local shard's) size and dtype, made at its
             first step: 2 for Adam and AdamW, 1 for SGD with momentum, 0 for none. Counted in the
             first plan of the programs compiled before any optimizer's first step (on CPU, always).
+        over_limit: with ``memory_limit``, what a limit that no recompute plan fits does (even with
+            the programs planned before at their least saved bytes): "raise", a
+            ``fit.MemoryLimitError`` of one line at the compile, before the first step runs, with the
+            lowest predicted peak and what to change; "lowest", the lowest plan, with one warning.
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
     replays run in the forward's compiled regions and the loss head is fused; with Thunder's
@@ -186,12 +190,16 @@ class MemoryOptimization(Transform):
         head_gradients: str | None = None,
         memory_limit: fit.MemoryLimit | None = None,
         optimizer_states: int = 2,
+        over_limit: str = "raise",
     ) -> None:
         _check_fraction("activation_budget", activation_budget)
         memory_limit = fit.checked_memory_limit(memory_limit)
         if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, numbers.Integral) \
                 or optimizer_states < 0:
             raise ValueError(f"optimizer_states must be an int >= 0 (AdamW: 2), got {optimizer_states!r}")
+        over_limit = fit.checked_over_limit(over_limit)
+        if memory_limit is None and over_limit != "raise":
+            raise ValueError(f"over_limit={over_limit!r} applies to memory_limit, and none is given")
         if memory_limit is not None and activation_budget != 1.0:
             raise ValueError(f"memory_limit and activation_budget={activation_budget} each choose the recompute "
                              "plan; give one of them")
@@ -229,9 +237,11 @@ class MemoryOptimization(Transform):
         self.head_gradients = head_gradients
         self.memory_limit = memory_limit
         self.optimizer_states = int(optimizer_states)
+        self.over_limit = over_limit
         self._fit = None if memory_limit is None else FitPlanner(
             memory_limit, offload_rates, self.optimizer_states,
-            lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()))
+            lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()), over_limit,
+            scheduled="schedule" in passes)
         self._modules: list[weakref.ref[ThunderModule]] = []  # those jitted with this instance
         self._schedule = ScheduleStage()
         self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
@@ -310,7 +320,8 @@ class MemoryOptimization(Transform):
             f"MemoryOptimization(activation_budget={self.activation_budget}, passes={self.passes}, "
             f"offload={self.offload.value!r}, offload_budget={self.offload_budget}, "
             f"host_memory_limit={self.host_memory_limit!r}, "
-            f"head_gradients={self.head_gradients!r}, memory_limit={self.memory_limit!r})"
+            f"head_gradients={self.head_gradients!r}, memory_limit={self.memory_limit!r}, "
+            f"over_limit={self.over_limit!r})"
         )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):

@@ -2,7 +2,7 @@
 over every layer of a step (issue 35).
 
 One Block of ``--model-name`` at its real width and ``--block-size`` tokens is traced on meta as the
-GPU's executors make it (``_meta_block``) under ``MemoryOptimization(memory_limit=1)``, which no
+GPU's executors make it (``_meta_block``) under ``MemoryOptimization(memory_limit=1, over_limit="lowest")``, which no
 rung fits, so that every rung of the recompute ladder is planned and priced. Each rung is then
 priced for a whole step in which the Block's program runs ``--calls`` times over ``--static-gib``
 of static state (``passes.fit.StepTerms``), and for each of ``--limits-gib`` the rung the planner
@@ -39,7 +39,7 @@ def main() -> None:
                         help="parameters, gradients, optimizer states and buffers resident through the step")
     parser.add_argument("--limits-gib", type=positive_float, nargs="+", default=[60.0, 40.0, 30.0, 25.0])
     args = parser.parse_args()
-    memopt = MemoryOptimization(memory_limit=1)
+    memopt = MemoryOptimization(memory_limit=1, over_limit="lowest")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "thunder_memopt: no recompute plan fits")
         run_block_on_meta(args.model_name, args.block_size, memopt)

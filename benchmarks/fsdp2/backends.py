@@ -163,7 +163,8 @@ def thunder_compiled(module: torch.nn.Module, trial: Trial, device: torch.device
         head = {} if options.head_gradients is None else {"head_gradients": options.head_gradients}
         host = ({} if offload == "off" or options.host_memory_limit is None
                 else {"host_memory_limit": options.host_memory_limit})
-        plan = ({"memory_limit": memory_limit(options.budget)} if fit
+        over = {} if options.over_limit is None else {"over_limit": options.over_limit}
+        plan = ({"memory_limit": memory_limit(options.budget), **over} if fit
                 else {"activation_budget": options.budget})
         memopt = MemoryOptimization(offload=offload, **plan, **passes, **keep, **head, **host)
     transforms = [memopt] if memopt is not None else []
@@ -227,7 +228,7 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
                                   "compiled program takes the recompute rung with the least modelled recompute "
                                   "whose predicted whole-step peak fits the limit; the step's measured peak is "
                                   "checked after the warm-up, and planned again once where it is over",
-            thunder=True, thunder_fsdp=False, own_fields=("memopt_passes", "fusion", "head_gradients"),
+            thunder=True, thunder_fsdp=False, own_fields=("memopt_passes", "fusion", "head_gradients", "over_limit"),
             compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True, fit=True),
             budgets=Budgets("--memory-limit", (40.0,),
                             "MemoryOptimization(memory_limit=...) for thunder+memopt-fit, in GiB (2**30 bytes, "
@@ -282,9 +283,14 @@ def _host_limit(row: Mapping[str, Any]) -> str | None:
     return None if limit is None else f"host limit {limit} B"
 
 
+def _over_limit(row: Mapping[str, Any]) -> str | None:
+    over = row.get("over_limit")
+    return None if over is None else f"over limit: {over}"
+
+
 OPTION_TAGS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {
     "memopt_passes": _passes, "fusion": execution, "offload_keep": _keep, "head_gradients": _head_gradients,
-    "host_memory_limit": _host_limit}
+    "host_memory_limit": _host_limit, "over_limit": _over_limit}
 
 
 def tags(row: Mapping[str, Any]) -> tuple[str, ...]:
@@ -319,6 +325,8 @@ def describe_trial(trial: Trial) -> str:
         options += f" head_gradients={compilation.head_gradients}"
     if "host_memory_limit" in own and compilation.host_memory_limit is not None:
         options += f" host_memory_limit={compilation.host_memory_limit}"
+    if "over_limit" in own and compilation.over_limit is not None:
+        options += f" over_limit={compilation.over_limit}"
     if numerics.autocast:
         options += " autocast"
     if numerics.loss_mode != "in-graph":

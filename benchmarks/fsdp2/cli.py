@@ -32,6 +32,7 @@ from benchmarks.fsdp2.trial import (DISTRIBUTED_MODES, HEAD_UNITS, IN_GRAPH_LOSS
                                     Sharding, Trial, Workload)
 from thunder_memopt.arguments import fraction, litgpt_model_name, narrow_width, positive_float, positive_int
 from thunder_memopt.models import DTYPES, narrow_config
+from thunder_memopt.passes import fit
 from thunder_memopt.transform import HEAD_GRADIENTS, PASSES
 
 GPU_DEFAULT_BLOCK_SIZE = 8192
@@ -143,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     compilation.add_argument("--memopt-head-gradients", choices=HEAD_GRADIENTS, default=None,
                              help="thunder+memopt and thunder+memopt-offload: MemoryOptimization(head_gradients=...), "
                                   "where the fused loss head computes its gradients (default: as the budget sets it)")
+    compilation.add_argument("--memopt-over-limit", choices=fit.OVER_LIMIT, default=None,
+                             help="thunder+memopt-fit: MemoryOptimization(over_limit=...), where no plan fits "
+                                  "the limit: raise (the row fails before its first step) or lowest (the lowest "
+                                  "plan, with a warning); default: raise")
     compilation.add_argument("--fusion", choices=sorted(backends.FUSION), default="on",
                              help="thunder+fusion and thunder+memopt: thunder_memopt.executors(fusion=...); off runs "
                                   "every op as plain Thunder does (bit-identical)")
@@ -270,7 +275,8 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                           simulated=args.simulate_world_size is not None, head_unit=args.head_unit),
         compilation=Compilation(backend=args.compile[0],
                                 memopt_passes=None if args.memopt_passes is None else tuple(args.memopt_passes),
-                                fusion=args.fusion, head_gradients=args.memopt_head_gradients),
+                                fusion=args.fusion, head_gradients=args.memopt_head_gradients,
+                                over_limit=args.memopt_over_limit),
         measurement=Measurement(warmup=args.warmup, iters=args.iters, profile=args.profile,
                                 first_step_profile=args.first_step_profile),
     )

@@ -112,6 +112,10 @@ class Compilation:
     # thunder+memopt-offload: MemoryOptimization(host_memory_limit=...) in bytes; None: "auto". At 1 no
     # copy is made: every saved tensor the plan offloads stays on the device, in the same program.
     host_memory_limit: int | None = None
+    # thunder+memopt-fit: MemoryOptimization(over_limit=...), a limit no plan fits raises ("raise") or
+    # takes the lowest plan ("lowest"); None: its default, "raise" (rows written before the option
+    # existed took the lowest plan).
+    over_limit: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

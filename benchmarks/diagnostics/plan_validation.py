@@ -1,0 +1,76 @@
+"""``python -m thunder_memopt plan``'s predicted per-rank peak allocated bytes against the committed
+GPU rows of ``benchmarks/results/*.jsonl`` (issue 51, item 5), as a markdown table with the error.
+
+Each configuration is the first row of thunder+memopt at budget 1.0, 0.5 or 0.0 (the budgets the
+plan prints), its default head gradients and no offload, of the files and commits named in ``ROWS``;
+each model and T is traced once on meta (``thunder_memopt.plan.trace_programs``):
+
+    python benchmarks/diagnostics/plan_validation.py > benchmarks/results/plan_validation.md
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from thunder_memopt.plan import plan_step, trace_programs
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+# (file, the row's commit): litgpt rows of FSDP2 at one rank and SIMULATED 8 and 64 ranks.
+ROWS = (
+    ("stablecode_32l_zero2_1xH200_per_token.jsonl", "8611a0e"),
+    ("stablecode_8l_zero2_1xH200_T8192_pareto.jsonl", "274ebb3"),
+    ("stablecode_32l_zero2_sim8.jsonl", "6db2fb4-dirty"),
+    ("llama3_8b_32l_zero2_sim8_T8192_budgets.jsonl", "274ebb3"),
+    ("llama3_70b_80l_zero3_sim64_T8192_budget0.jsonl", "858ecda"),
+)
+GiB = 2**30
+
+
+def _rows() -> list[dict]:
+    """The first ok thunder+memopt row of each configuration and budget in ``ROWS``."""
+    seen, rows = set(), []
+    for name, commit in ROWS:
+        for line in (RESULTS / name).read_text().splitlines():
+            row = json.loads(line)
+            if (row.get("row_type") != "run" or row.get("status") != "ok" or row.get("backend") != "thunder+memopt"
+                    or row.get("memopt_commit") != commit or row.get("offload_keep") is not None
+                    or row.get("head_gradients") is not None):
+                continue
+            key = (row["model"], row["n_layer"], row["block_size"], row["world_size"], row["shard_mode"],
+                   row["budget"])
+            if key not in seen:
+                seen.add(key)
+                rows.append({**row, "file": name})
+    return rows
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    traced = {}
+    print("| model | layers | T | ranks | shard | budget | measured GiB | predicted GiB | error | row |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in _rows():
+        key = (row["model"], row["block_size"], row["micro_batch_size"])
+        if key not in traced:
+            traced[key] = trace_programs(row["model"], n_embd=None, block_size=row["block_size"],
+                                         micro_batch_size=row["micro_batch_size"], dtype=torch.bfloat16)
+        config, block, head = traced[key]
+        plan = plan_step(config, block, head, n_layer=row["n_layer"], world_size=row["world_size"],
+                         shard_mode=row["shard_mode"], micro_batch_size=row["micro_batch_size"],
+                         block_size=row["block_size"], dtype=torch.bfloat16, optimizer_states=2, limit_bytes=1 << 50)
+        name = f"thunder+memopt @{row['budget']:g}"
+        if name not in plan.settings:
+            continue
+        measured, predicted = row["peak_alloc_rank0"], plan.settings[name]
+        ranks = f"{row['world_size']}" + (" (simulated)" if row.get("simulated") else "")
+        print(f"| {row['model']} | {row['n_layer']} | {row['block_size']} | {ranks} | {row['shard_mode']} | "
+              f"{row['budget']:g} | {measured / GiB:.2f} | {predicted / GiB:.2f} | "
+              f"{100 * (predicted - measured) / measured:+.1f}% | {row['file']} ({row['memopt_commit']}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
