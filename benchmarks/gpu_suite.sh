@@ -91,8 +91,10 @@
 #                   eager-ac, inductor (budget 1.0, torch's default), inductor-budget at 0.75, 0.5, 0.25 and 0.0,
 #                   thunder, thunder+fusion, thunder+memopt at 1.0, 0.75, 0.5, 0.25 and 0.0, and
 #                   thunder+memopt-offload at 1.0 and 0.0: memory against step time (benchmarks/make_pareto.py)
-#   long-run        one GPU, FSDP2 with one rank: 500 steps of stablecode 8 layers at T=4096 on real text, ten
-#                   settings (benchmarks/long_run.py: loss curves, offload against its unoffloaded twin bit for bit)
+#   long-run        one GPU, FSDP2 with one rank: 500 steps of stablecode 8 layers at T=4096 on real text, the
+#                   gradients clipped to norm 1, deterministic algorithms, eleven settings with the perturbed-eager
+#                   control (benchmarks/long_run.py: tail losses against eager's noise floor, offload against its
+#                   unoffloaded twin bit for bit); rerun until it exits 0
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -306,7 +308,8 @@ case "$GROUP" in
             thunder+memopt-offload --inductor-budget 0.75 0.5 0.25 0.0 --memopt-budget 1.0 0.75 0.5 0.25 0.0 \
             --offload-budget 1.0 0.0 --out "$OUT/stablecode_8l_zero2_1xH200_T8192_pareto.jsonl" ;;
     tables) tables ;;
-    long-run) CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/long_run.py --resume --time-limit "$TIME_LIMIT_MIN" \
-        ${LOG_DIR:+--log-dir "$LOG_DIR"} --out "$OUT/stablecode_8l_1xH200_T4096_long_run.jsonl" ;;
+    long-run) CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/long_run.py --max-grad-norm 1 --deterministic --resume \
+        --time-limit "$TIME_LIMIT_MIN" ${LOG_DIR:+--log-dir "$LOG_DIR"} \
+        --out "$OUT/stablecode_8l_${GPU_TAG:-$(gpu_tag)}_T4096_long_run_clip1.jsonl" ;;
     *) echo "unknown group '$GROUP'; the groups are listed at the top of $0" >&2; exit 2 ;;
 esac

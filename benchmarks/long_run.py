@@ -8,12 +8,15 @@ Every setting trains the same weights on the same batches of the Python standard
 bytes (vocabulary 256, padded as litgpt pads), with the cross-entropy on fp32 logits inside the
 compiled model (--loss-mode), AdamW, a linear warm-up and a constant or cosine learning rate, the
 gradients clipped to a total norm (--max-grad-norm), each in a fresh torchrun (FSDP2 with one rank
-by default). It writes every step's loss per setting to --out (JSON lines), a plot, and a report (--report), and prints a progress line
-every --progress-every steps. The report holds each setting's mean loss over the last --tail-steps
-steps against eager's, any NaN or inf step, and, for the pairs that must compute the same bits
-(thunder+memopt-offload at budget B and thunder+memopt at B; a setting and its repeat ``#2``, the
-control), whether every step's loss and parameter norm are equal bit for bit, else the first step
-where they differ. The code is ``benchmarks/fsdp2/long_run*.py``.
+by default). It writes every step's loss per setting to --out (JSON lines), a plot, and a report
+(--report), and prints a progress line every --progress-every steps. The report holds each
+setting's mean loss over the last --tail-steps steps against eager's, which passes within
+max(--loss-rtol, --noise-factor x the noise floor): the noise floor is the distance of the control
+``eager:perturb=1``, eager started one rounding step of one weight away. It also lists any NaN or
+inf step and, for the pairs that must compute the same bits (thunder+memopt-offload at budget B and
+thunder+memopt at B; a setting and its repeat ``#2``), whether every step's loss and parameter norm
+are equal bit for bit, else the first step where they differ. The code is
+``benchmarks/fsdp2/long_run*.py``.
 
 Exit codes: 0 every check passed; 2 a bad flag (argparse's one line, before any work); 3
 --time-limit reached (rerun the same command with --resume); 4 a setting did not run to its end
@@ -36,7 +39,8 @@ from thunder_memopt.arguments import (fraction, litgpt_model_name, narrow_width,
                                       non_negative_int, positive_float, positive_int)
 from thunder_memopt.models import DTYPES, narrow_config  # noqa: E402
 
-DEFAULT_SETTINGS = ("eager", "inductor", "thunder+memopt@1", "thunder+memopt@0", "thunder+memopt-offload@0",
+# eager:perturb=1, the noise floor of the tail loss; thunder+memopt@0#2, the control for bit-identity.
+DEFAULT_SETTINGS = ("eager", "eager:perturb=1", "inductor", "thunder+memopt@1", "thunder+memopt@0", "thunder+memopt-offload@0",
                     "thunder+memopt-offload@1", "thunder+memopt@0#2")
 if "head_gradients" in long_run_driver.SETTABLE:
     # The twin of offload at 1.0, whose loss head also computes its gradients in the backward:
@@ -104,9 +108,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     settings = parser.add_argument_group("settings")
     settings.add_argument("--settings", type=setting, nargs="+", metavar="SPEC",
                           help=f"{long_run_driver.SPEC}: a backend of benchmarks/fsdp2/backends.py, its budget, "
-                               "trial fields it sets (seed=1, fusion=off, offload_keep=0.5) and its run (#2: a "
-                               f"repeat, the control); default: {' '.join(DEFAULT_SETTINGS)} (on CPU without "
-                               "inductor)")
+                               "trial fields it sets (seed=1, fusion=off, offload_keep=0.5), perturb=SEED (one "
+                               "starting weight one rounding step away; eager:perturb=N is the noise floor's "
+                               "control) and its run (#2: a repeat, the control for bit-identity); default: "
+                               f"{' '.join(DEFAULT_SETTINGS)} (on CPU without inductor)")
     settings.add_argument("--identical", type=setting, nargs=2, action="append", metavar=("SPEC", "SPEC"),
                           help="two listed settings that must compute the same bits (repeatable); default: each "
                                "thunder+memopt-offload setting with thunder+memopt at its budget, each repeat "
@@ -129,7 +134,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     checks.add_argument("--tail-steps", type=positive_int, help=f"steps whose mean loss is compared with eager's "
                         f"(default: {DEFAULT_TAIL}, or all steps if fewer)")
     checks.add_argument("--loss-rtol", type=positive_float, default=0.01,
-                        help="largest relative difference of that mean from eager's (default: %(default)s)")
+                        help="the least tolerance of that mean's relative difference from eager's (default: "
+                             "%(default)s)")
+    checks.add_argument("--noise-factor", type=positive_float, default=1.5,
+                        help="the tolerance is max(--loss-rtol, this x the noise floor: the relative difference "
+                             "of the perturbed control eager:perturb=N from eager), --loss-rtol alone without "
+                             "the control (default: %(default)s)")
     checks.add_argument("--progress-every", type=positive_int, default=50,
                         help="a progress line every N steps (default: %(default)s)")
     checks.add_argument("--out", default="long_run.jsonl", help="JSON lines, appended to (default: %(default)s)")
@@ -216,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return EXIT_INCOMPLETE
     labels = {s.label for s in args.settings}
+    control = long_run_driver.noise_control(args.settings)
     verdict = long_run_report.analyse(runs, steps, [(a.label, b.label) for a, b in pairs],
-                                      reference="eager" if "eager" in labels else None, expected_steps=args.steps,
-                                      tail=args.tail_steps, rtol=args.loss_rtol)
+                                      reference=long_run_driver.REFERENCE if long_run_driver.REFERENCE in labels
+                                      else None, expected_steps=args.steps, tail=args.tail_steps, rtol=args.loss_rtol,
+                                      control=control.label if control else None, noise_factor=args.noise_factor)
     context = runner.context()
     title = (f"{args.model_name}, {args.n_layer} layers, n_embd {template.workload.n_embd}, T={args.block_size}, "
              f"{args.steps} steps, {args.lr_schedule} lr {args.lr:g}, "

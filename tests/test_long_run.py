@@ -3,7 +3,9 @@ a few steps of the narrowed stablecode (n_embd 128, one layer, T=128) on the sta
 bytes, each setting in its own torchrun (FSDP2, one rank, gloo), as on the GPU. (What is checked holds
 for any depth; one layer halves the compilation of the two thunder settings.)
 
-The settings: eager and thunder+memopt at budget 0, and two pairs for the bit-identity check.
+The settings: eager and thunder+memopt at budget 0, eager started one rounding step of one weight
+away (the control whose distance from eager is the noise floor of the tail loss), and two pairs for
+the bit-identity check.
 
 - thunder+memopt-offload @0 against thunder+memopt @0 must be identical here. On CPU offload is off
   (``stages.OffloadStage``: no pinned host memory to copy to, so it warns and leaves the traces
@@ -35,8 +37,8 @@ from benchmarks.fsdp2.trial import load_rows  # noqa: E402
 STEPS = 4
 N_LAYER = 1
 OFFLOAD, TWIN = "thunder+memopt-offload@0", "thunder+memopt@0"
-SETTINGS = ("eager", "eager:seed=1", TWIN, OFFLOAD)
-LABELS = ("eager", "eager [seed=1]", "thunder+memopt @0", "thunder+memopt-offload @0")
+SETTINGS = ("eager", "eager:perturb=1", "eager:seed=1", TWIN, OFFLOAD)
+LABELS = ("eager", "eager [perturb=1]", "eager [seed=1]", "thunder+memopt @0", "thunder+memopt-offload @0")
 TIMEOUT_S = 240
 
 
@@ -110,6 +112,80 @@ def test_the_curves_are_compared_with_eager_and_plotted(finished):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_the_perturbed_control_starts_one_rounding_step_away_and_sets_the_noise_floor(finished):
+    import torch
+
+    done, rows, out = finished
+    runs = {run["setting"]: run for run in rows_of(rows, long_run_driver.RUN_ROW)}
+    control = runs["eager [perturb=1]"]
+    assert control["perturbed_parameter"] == long_run.PERTURBED_PARAMETER and "perturbed_index" not in runs["eager"]
+    before, after = (torch.tensor(control[f"perturbed_{name}"], dtype=torch.bfloat16) for name in ("before", "after"))
+    assert after.item() == torch.nextafter(before, before.sign() * torch.inf).item() != before.item()
+    # The noise floor is the control's distance from eager; the tolerance max(1%, 1.5 x it).
+    (summary,) = rows_of(rows, long_run_driver.SUMMARY_ROW)
+    by_label = {check["label"]: check for check in summary["settings"]}
+    tails = {label: math.fsum(row["loss"] for row in rows_of(rows, long_run_driver.STEP_ROW)
+                              if row["setting"] == label) / STEPS for label in ("eager", "eager [perturb=1]")}
+    noise = abs(tails["eager [perturb=1]"] - tails["eager"]) / tails["eager"]
+    assert summary["control"] == "eager [perturb=1]" and summary["noise_floor"] == pytest.approx(noise, rel=1e-9)
+    assert by_label["eager [perturb=1]"]["relative_difference"] == summary["noise_floor"]
+    assert summary["loss_tolerance"] == max(0.01, 1.5 * summary["noise_floor"])
+    assert f"ends {noise:.3%} from eager" in out.with_suffix(".md").read_text()
+
+
+def test_perturb_one_weight_moves_exactly_one_weight_by_one_rounding_step():
+    import torch
+
+    from thunder_memopt.models import build_model, narrow_config
+
+    config = long_run.with_byte_vocabulary(narrow_config("stablecode-completion-alpha-3b", n_layer=1, n_embd=64,
+                                                         block_size=32))
+    built, perturbed = (build_model(config, dtype=torch.bfloat16, seed=0) for _ in range(2))
+    moved = long_run.perturb_one_weight(perturbed, seed=1)
+    changed = {name: (parameter != built.get_parameter(name)).nonzero().tolist()
+               for name, parameter in perturbed.named_parameters()}
+    assert {name: where for name, where in changed.items() if where} == {
+        long_run.PERTURBED_PARAMETER: [list(divmod(moved.index, config.n_embd))]}
+    old = built.get_parameter(moved.parameter).view(-1)[moved.index]
+    new = perturbed.get_parameter(moved.parameter).view(-1)[moved.index]
+    assert (old.item(), new.item()) == (moved.before, moved.after)
+    # Adjacent bf16 values (their bit patterns one apart), the larger in magnitude the new one.
+    assert abs(int(new.view(torch.int16)) - int(old.view(torch.int16))) == 1 and abs(moved.after) > abs(moved.before)
+
+
+def _run_and_steps(label: str, tail_losses: list[float], status: str = "ok") -> tuple[dict, list[dict]]:
+    return {"setting": label, "status": status}, [
+        {"step": step, "loss": loss, "params_norm": 1.0} for step, loss in enumerate(tail_losses)]
+
+
+@pytest.mark.parametrize("control_loss, tolerance, passing", [
+    (2.02, 0.015, {"eager", "control", "close", "near"}),  # noise 1%: within 1.5%
+    (2.002, 0.01, {"eager", "control", "close"}),  # noise 0.1%: 1% is the least tolerance
+    (None, 0.01, {"eager", "close"}),  # the control did not finish: 1%, and it fails
+])
+def test_the_tail_loss_passes_within_the_larger_of_one_percent_and_1_5_times_the_noise_floor(
+        control_loss, tolerance, passing):
+    from benchmarks.fsdp2 import long_run_report
+
+    settings = {"eager": [9.0, 2.0, 2.0], "close": [9.0, 2.018, 2.018], "near": [9.0, 2.028, 2.028],
+                "far": [9.0, 2.04, 2.04], "nan": [9.0, math.nan, 2.0]}
+    if control_loss is not None:
+        settings["control"] = [9.0, control_loss, control_loss]
+    rows = [_run_and_steps(label, losses) for label, losses in settings.items()]
+    if control_loss is None:
+        rows.append(_run_and_steps("control", [9.0, 2.0], status="timeout"))
+    runs, steps = [run for run, _ in rows], {run["setting"]: rows for run, rows in rows}
+    verdict = long_run_report.analyse(runs, steps, [], reference="eager", expected_steps=3, tail=2, rtol=0.01,
+                                      control="control", noise_factor=1.5)
+    assert verdict.tolerance == pytest.approx(tolerance)
+    assert verdict.noise_floor == (None if control_loss is None else pytest.approx(abs(control_loss / 2.0 - 1)))
+    assert {check.label for check in verdict.settings if check.passed} == passing and not verdict.passed
+    text = long_run_report.markdown(verdict)
+    assert f"within {tolerance:.3%}" in text and ("Noise floor: control" in text) == (control_loss is not None)
+    assert "- NaN or inf: in nan (steps 1)" in text and "- Bit-identical pairs: 0 of 0" in text
+    assert long_run_report.loss_tolerance(0.01, 1.5, None) == 0.01
+
+
 def test_make_table_over_a_glob_with_the_long_runs_file_tables_only_the_benchmarks_rows(finished, capsys):
     from benchmarks.fsdp2 import tables_cli
 
@@ -164,6 +240,7 @@ def _cli():
     (["--settings", "eager:fusion=off"], "fusion is not an option of eager"),
     (["--settings", "eager:colour=red"], "'colour=red' is not FIELD=VALUE"),
     (["--settings", "eager:seed=x"], "seed"),
+    (["--settings", "eager:perturb=x"], "perturb=x (a seed: a non-negative integer)"),
     (["--settings", "eager", "eager"], "lists a setting twice"),
     (["--settings", "eager", "--identical", "eager", "inductor"], "--identical names inductor"),
     (["--steps", "0"], "must be at least 1"),

@@ -6,8 +6,9 @@ that difference into a loss curve of its own, and the mean loss over the last st
 by what the chaos makes of it, not by any error. This trains a narrowed stablecode eagerly in bf16
 on the long run's data (``benchmarks/fsdp2/long_run.py``: the standard library's bytes, AdamW, a
 linear warm-up and a cosine learning rate), once as it is and once per ``--perturbations`` with one
-weight of the attention's projection moved by one bf16 step (2**-7 of itself), for each learning
-rate and clipping norm, and prints the tail mean's relative difference from the unperturbed run's:
+weight of the first attention's projection moved by one bf16 step (``long_run.perturb_one_weight``,
+the long run's perturbed-eager control), for each learning rate and clipping norm, and prints the
+tail mean's relative difference from the unperturbed run's:
 
     python benchmarks/diagnostics/trajectory_spread_cpu.py --lrs 1e-3 3e-3 --max-grad-norms 0 1
 """
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.fsdp2
 from benchmarks.fsdp2.long_run import (ByteBatches, Corpus, Schedule, clip_gradients_before_each_step,  # noqa: E402
-                                       with_byte_vocabulary)
+                                       perturb_one_weight, with_byte_vocabulary)
 from thunder_memopt.arguments import non_negative_float, non_negative_int, positive_float, positive_int  # noqa: E402
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, training_step  # noqa: E402
 
@@ -33,9 +34,7 @@ def tail_loss(args: argparse.Namespace, corpus: Corpus, lr: float, max_norm: flo
                                                 n_embd=args.n_embd, block_size=args.block_size))
     gpt = build_model(config, dtype=torch.bfloat16, seed=0)
     if perturbation is not None:
-        weight = gpt.transformer.h[0].attn.qkv.weight.data.view(-1)
-        index = int(torch.randint(weight.numel(), (1,), generator=torch.Generator().manual_seed(perturbation)))
-        weight[index] = (weight[index].float() * (1 + 2**-7)).bfloat16()
+        perturb_one_weight(gpt, perturbation)
     model = GPTWithLoss(gpt, upcast_logits=True)
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=lr, foreach=True)
     scheduler = Schedule(lr, args.steps // 10).scheduler(optimizer, args.steps)

@@ -12,7 +12,9 @@ weights, on the same batches:
   (``padded_vocab_size``), in windows of T + 1 bytes whose order one seed fixes (``ByteBatches``);
 - AdamW with a linear warm-up, then a constant or cosine learning rate, the gradients clipped to a
   total norm before each step (``Schedule``);
-- the model is built, sharded and compiled by the benchmark's worker (``worker.prepare_training``).
+- the model is built, sharded and compiled by the benchmark's worker (``worker.prepare_training``);
+  a perturbed setting first moves one weight one rounding step (``perturb_one_weight``): the control
+  whose distance from its unperturbed twin measures the training's own chaos.
 
 Each setting runs in a fresh torchrun (``long_run_driver``), so that no compiled code of another
 setting reaches it:
@@ -51,6 +53,9 @@ from thunder_memopt.models import DTYPES, build_model, narrow_config, training_s
 BYTE_VOCAB = 256
 STEPS_FILE = "steps.jsonl"
 SCHEDULES = ("constant", "cosine")
+# The weight a perturbation moves: in the first block's attention projection, which every litgpt
+# model has.
+PERTURBED_PARAMETER = "transformer.h.0.attn.qkv.weight"
 # Directories of the standard library's tree that hold installed packages, not its own sources.
 NOT_STDLIB = {"site-packages", "dist-packages"}
 
@@ -95,14 +100,41 @@ class RunSpec:
     # not repeat its bits). Not warn_only: an op with no deterministic kernel raises, and its setting
     # fails saying which.
     deterministic: bool = True
+    perturbation: int | None = None  # perturb_one_weight's seed; None: the weights as built
 
     def to_json(self) -> dict[str, Any]:
         return {"trial": self.trial.fields(), "steps": self.steps, "schedule": dataclasses.asdict(self.schedule),
-                "deterministic": self.deterministic}
+                "deterministic": self.deterministic, "perturbation": self.perturbation}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSpec:
-        return cls(Trial.from_fields(data["trial"]), data["steps"], Schedule(**data["schedule"]), data["deterministic"])
+        return cls(Trial.from_fields(data["trial"]), data["steps"], Schedule(**data["schedule"]), data["deterministic"],
+                   data["perturbation"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Perturbation:
+    """Which weight ``perturb_one_weight`` moved, and its value before and after."""
+
+    parameter: str
+    index: int  # into the parameter flattened
+    before: float
+    after: float
+
+    def fields(self) -> dict[str, Any]:
+        return {f"perturbed_{name}": value for name, value in dataclasses.asdict(self).items()}
+
+
+def perturb_one_weight(model: torch.nn.Module, seed: int) -> Perturbation:
+    """Move one weight of ``PERTURBED_PARAMETER`` (drawn by ``seed``) by one rounding step of its
+    dtype, away from zero (``torch.nextafter``), in place: the least change a backend that rounds
+    differently makes. The same weight on every device and rank (a CPU generator draws it)."""
+    weight = model.get_parameter(PERTURBED_PARAMETER).data.view(-1)
+    index = int(torch.randint(weight.numel(), (1,), generator=torch.Generator().manual_seed(seed)))
+    before = weight[index].to("cpu", copy=True)  # not a view: the weight changes below
+    after = torch.nextafter(before, torch.tensor(float("inf"), dtype=before.dtype).copysign(before))
+    weight[index] = after.to(weight.device)
+    return Perturbation(PERTURBED_PARAMETER, index, before.item(), after.item())
 
 
 def stdlib_sources() -> list[Path]:
@@ -219,6 +251,7 @@ def train(spec: RunSpec, device: torch.device, rank: int, steps_path: Path | Non
     corpus = Corpus.read()
     config = byte_config(trial)
     gpt = build_model(config, dtype=DTYPES[trial.numerics.dtype], seed=trial.workload.seed, device=device)
+    perturbed = {} if spec.perturbation is None else perturb_one_weight(gpt, spec.perturbation).fields()
     training = worker.prepare_training(gpt, trial, device)
     parameters = list(training.parameters_owner.parameters())
     optimizer = torch.optim.AdamW(parameters, lr=spec.schedule.lr, **{trial.numerics.optimizer: True})
@@ -244,8 +277,9 @@ def train(spec: RunSpec, device: torch.device, rank: int, steps_path: Path | Non
                 row["grad_norm"] = grad_norms[-1]
             with open(steps_path, "a") as steps_file:  # line by line: the driver follows it
                 steps_file.write(json.dumps(row) + "\n")
-    fields = {**corpus.fields(), "vocab_size": config.vocab_size, "padded_vocab_size": config.padded_vocab_size,
-              "first_step_s": seconds[0], "median_step_s": statistics.median(seconds[1:] or seconds)}
+    fields = {**corpus.fields(), **perturbed, "vocab_size": config.vocab_size,
+              "padded_vocab_size": config.padded_vocab_size, "first_step_s": seconds[0],
+              "median_step_s": statistics.median(seconds[1:] or seconds)}
     return Trained(fields, training, optimizer, batches.batch(0, device))
 
 

@@ -2,12 +2,14 @@
 a progress line every N steps, and its rows appended to --out.
 
 A setting is a backend of the registry with its budget, any trial fields it sets apart from the
-command line's, and which run of that setting it is (a repeat is the control for bit-identity:
-whether the setting repeats its own bits on this device):
+command line's, a perturbation of its starting weights (``perturb=SEED``: one weight one rounding
+step away, ``long_run.perturb_one_weight``; eager so perturbed is the control for the tail loss:
+how far the training's own chaos carries one rounding), and which run of that setting it is (a
+repeat is the control for bit-identity: whether the setting repeats its own bits on this device):
 
     BACKEND[@BUDGET][:FIELD=VALUE[,FIELD=VALUE...]][#N]
 
-    thunder+memopt@0  thunder+memopt-offload@1  eager:seed=1  thunder+memopt@0#2
+    thunder+memopt@0  thunder+memopt-offload@1  eager:seed=1  eager:perturb=1  thunder+memopt@0#2
 
 The rows: one ``long_run_step`` row per step of each setting, then its ``long_run`` row (the
 trial, the training, the outcome as the benchmark's rows have it, the corpus, the plan's saved
@@ -49,23 +51,30 @@ HEAD_IN_BACKWARD = ("head_gradients", "backward")
 # makes no copy and keeps each offloaded tensor on the device (executors/offload.py), so the pair
 # differs in the round trip through host memory alone.
 COPIES_KEPT = ("host_memory_limit", 1)
+# The option that moves one starting weight one rounding step (RunSpec.perturbation), not a trial field.
+PERTURB = "perturb"
+# The setting whose tail loss is held against the others', and its perturbed twin, the noise floor.
+REFERENCE = "eager"
 SPEC = "BACKEND[@BUDGET][:FIELD=VALUE,...][#N]"
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One curve of the check: a backend, its budget, the trial fields it sets, its run."""
+    """One curve of the check: a backend, its budget, the trial fields it sets, its perturbation,
+    its run."""
 
     backend: str
     budget: float | None = None
     overrides: tuple[tuple[str, Any], ...] = ()
     run: int = 1  # the N-th run of the same setting: a control
+    perturbation: int | None = None  # long_run.perturb_one_weight's seed
 
     @property
     def label(self) -> str:
         name = self.backend if self.budget is None else f"{self.backend} @{self.budget:g}"
-        options = "".join(f" [{field}={_text(value)}]" for field, value in self.overrides)
-        return name + options + (f" #{self.run}" if self.run > 1 else "")
+        options = [*self.overrides, *([(PERTURB, self.perturbation)] if self.perturbation is not None else [])]
+        return (name + "".join(f" [{field}={_text(value)}]" for field, value in options)
+                + (f" #{self.run}" if self.run > 1 else ""))
 
     def trial(self, template: Trial) -> Trial:
         return template.replace(backend=self.backend, budget=self.budget, **dict(self.overrides))
@@ -113,11 +122,17 @@ def parse_setting(text: str) -> Setting:
             raise ValueError(f"{text!r}: {budget_text!r} is not a budget") from None
         if not 0.0 <= budget <= 1.0:
             raise ValueError(f"{text!r}: the budget must be in [0, 1]")
-    overrides = []
+    overrides, perturbation = [], None
     for item in filter(None, options.split(",")):
         field, equals, value = item.partition("=")
+        if field == PERTURB and equals:
+            if not value.isdigit():
+                raise ValueError(f"{text!r}: {PERTURB}={value} (a seed: a non-negative integer)")
+            perturbation = int(value)
+            continue
         if not equals or field not in SETTABLE:
-            raise ValueError(f"{text!r}: {item!r} is not FIELD=VALUE with a field of {', '.join(SETTABLE)}")
+            raise ValueError(f"{text!r}: {item!r} is not FIELD=VALUE with a field of {', '.join(SETTABLE)}, "
+                             f"or {PERTURB}=SEED")
         if SETTABLE[field][0] is Compilation and field not in backend.own_fields:
             raise ValueError(f"{text!r}: {field} is not an option of {name}")
         try:
@@ -127,7 +142,13 @@ def parse_setting(text: str) -> Setting:
     count = int(run) if hash_mark and run.isdigit() else 1 if not hash_mark else 0
     if count < 1:
         raise ValueError(f"{text!r}: the run after # must be at least 1")
-    return Setting(name, budget, tuple(sorted(overrides)), count)
+    return Setting(name, budget, tuple(sorted(overrides)), count, perturbation)
+
+
+def noise_control(settings: list[Setting]) -> Setting | None:
+    """The first perturbed run of the reference (eager, as the command line sets it), if listed."""
+    return next((setting for setting in settings if setting.backend == REFERENCE and setting.perturbation is not None
+                 and not setting.overrides and setting.run == 1), None)
 
 
 def twin_pairs(settings: list[Setting]) -> list[tuple[Setting, Setting]]:
@@ -144,7 +165,7 @@ def twin_pairs(settings: list[Setting]) -> list[tuple[Setting, Setting]]:
         if twin_backend is not None:
             overrides = tuple(item for item in setting.overrides if item[0] != "offload_keep")
             for options in dict.fromkeys([overrides, tuple(sorted({*overrides, HEAD_IN_BACKWARD}))]):
-                twin = Setting(twin_backend, setting.budget, options, setting.run)
+                twin = Setting(twin_backend, setting.budget, options, setting.run, setting.perturbation)
                 if twin in listed:
                     pairs.append((setting, twin))
             if not any(field == COPIES_KEPT[0] for field, _ in setting.overrides):
@@ -220,8 +241,8 @@ class Training:
     def fields(self) -> dict[str, Any]:
         return {"steps": self.steps, **dataclasses.asdict(self.schedule), "deterministic": self.deterministic}
 
-    def spec(self, trial: Trial) -> long_run.RunSpec:
-        return long_run.RunSpec(trial, self.steps, self.schedule, self.deterministic)
+    def spec(self, trial: Trial, perturbation: int | None = None) -> long_run.RunSpec:
+        return long_run.RunSpec(trial, self.steps, self.schedule, self.deterministic, perturbation)
 
 
 def run_setting(runner: driver.Driver, template: Trial, setting: Setting, training: Training,
@@ -241,7 +262,7 @@ def run_setting(runner: driver.Driver, template: Trial, setting: Setting, traini
     print(f"[{index}/{count}] {setting.label}: {backends.describe_trial(trial)}, {training.steps} steps, "
           f"log {log_path}", flush=True)
     started = time.monotonic()
-    outcome, steps = launch(training.spec(trial), log_path, timeout_s,
+    outcome, steps = launch(training.spec(trial, setting.perturbation), log_path, timeout_s,
                             Progress(setting.label, training.steps, training.progress_every))
     elapsed = time.monotonic() - started
     if outcome["status"] == "timeout" and limited_by_deadline:

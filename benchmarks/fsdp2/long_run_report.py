@@ -2,7 +2,11 @@
 eager's, whether any step is NaN or inf, and whether settings that must compute the same bits do.
 
 - **Against eager**: the mean loss over the last ``tail`` steps of each setting, and its relative
-  difference from the reference setting's (eager's), against ``rtol``.
+  difference from the reference setting's (eager's), against ``max(rtol, noise_factor x the noise
+  floor)`` (``loss_tolerance``). The noise floor is that same difference of the control, eager
+  started one rounding step of one weight away: how far the training's own chaos carries one
+  rounding, which a backend that rounds differently cannot be expected to beat. Without a control,
+  ``rtol`` alone.
 - **Finite**: every step's loss and parameter norm.
 - **Bit-identical pairs**: two settings that must give the same bits (thunder+memopt-offload at
   budget B against thunder+memopt at budget B: offload copies tensors to the host and back and
@@ -41,7 +45,7 @@ class SettingCheck:
     nonfinite_steps: tuple[int, ...]  # steps whose loss or parameter norm is NaN or inf
     tail_mean: float | None  # mean loss over the last ``tail`` steps (None: not all ran)
     relative_difference: float | None  # of tail_mean from the reference's
-    within: bool | None  # relative_difference <= rtol; None where there is nothing to compare
+    within: bool | None  # relative_difference <= the verdict's tolerance; None: nothing to compare
 
     @property
     def passed(self) -> bool:
@@ -78,6 +82,10 @@ class Verdict:
     reference: str | None
     tail: int
     rtol: float
+    control: str | None  # the perturbed reference, whose distance is the noise floor
+    noise_floor: float | None  # its relative difference from the reference (None: no control, or unfinished)
+    noise_factor: float
+    tolerance: float  # loss_tolerance(rtol, noise_factor, noise_floor): each setting's limit
 
     @property
     def passed(self) -> bool:
@@ -85,6 +93,8 @@ class Verdict:
 
     def to_json(self) -> dict[str, Any]:
         return {"passed": self.passed, "reference": self.reference, "tail_steps": self.tail, "loss_rtol": self.rtol,
+                "control": self.control, "noise_floor": self.noise_floor, "noise_factor": self.noise_factor,
+                "loss_tolerance": self.tolerance,
                 "settings": [{**dataclasses.asdict(check), "passed": check.passed} for check in self.settings],
                 "pairs": [{**dataclasses.asdict(pair), "identical": pair.identical, "passed": pair.passed}
                           for pair in self.pairs]}
@@ -106,17 +116,26 @@ def tail_mean(steps: Sequence[Mapping], tail: int) -> float:
     return math.fsum(row["loss"] for row in steps[-tail:]) / len(steps[-tail:])
 
 
+def loss_tolerance(rtol: float, noise_factor: float, noise_floor: float | None) -> float:
+    """The largest relative difference of a tail mean from the reference's that passes:
+    ``max(rtol, noise_factor * noise_floor)``, or ``rtol`` where there is no noise floor."""
+    return rtol if noise_floor is None else max(rtol, noise_factor * noise_floor)
+
+
+def relative_difference(mean: float | None, reference_mean: float | None) -> float | None:
+    if mean is None or reference_mean is None or not math.isfinite(mean):
+        return None
+    return abs(mean - reference_mean) / abs(reference_mean)
+
+
 def check_setting(run: Mapping, steps: Sequence[Mapping], reference_mean: float | None, expected: int, tail: int,
-                  rtol: float) -> SettingCheck:
+                  tolerance: float) -> SettingCheck:
     nonfinite = tuple(row["step"] for row in steps
                       if not all(math.isfinite(row[field]) for field in COMPARED_FIELDS))
-    complete = len(steps) == expected
-    mean = tail_mean(steps, tail) if complete else None
-    difference = None
-    if mean is not None and reference_mean is not None and math.isfinite(mean):
-        difference = abs(mean - reference_mean) / abs(reference_mean)
+    mean = tail_mean(steps, tail) if len(steps) == expected else None
+    difference = relative_difference(mean, reference_mean)
     return SettingCheck(run["setting"], run["status"], len(steps), expected, nonfinite, mean, difference,
-                        None if difference is None else difference <= rtol)
+                        None if difference is None else difference <= tolerance)
 
 
 def check_pair(first: Mapping, second: Mapping, steps: Mapping[str, Sequence[Mapping]], expected: int) -> PairCheck:
@@ -129,18 +148,27 @@ def check_pair(first: Mapping, second: Mapping, steps: Mapping[str, Sequence[Map
 
 
 def analyse(runs: Sequence[Mapping], steps: Mapping[str, Sequence[Mapping]], pairs: Sequence[tuple[str, str]],
-            *, reference: str | None, expected_steps: int, tail: int, rtol: float) -> Verdict:
+            *, reference: str | None, expected_steps: int, tail: int, rtol: float, control: str | None = None,
+            noise_factor: float = 1.5) -> Verdict:
     """``runs``: a run row per setting (``setting`` its label); ``steps``: each label's step rows in
     order; ``pairs``: labels that must compute the same bits; ``reference``: the label the others'
-    tail means are held against (eager), None for none."""
+    tail means are held against (eager), None for none; ``control``: the reference perturbed, whose
+    distance from it sets the noise floor, None for none."""
     by_label = {run["setting"]: run for run in runs}
-    reference_mean = None
-    if reference in by_label and len(steps[reference]) == expected_steps:
-        reference_mean = tail_mean(steps[reference], tail)
+
+    def finished_mean(label: str | None) -> float | None:
+        if label not in by_label or len(steps[label]) != expected_steps:
+            return None
+        return tail_mean(steps[label], tail)
+
+    reference_mean = finished_mean(reference)
+    noise_floor = relative_difference(finished_mean(control), reference_mean)
+    tolerance = loss_tolerance(rtol, noise_factor, noise_floor)
     checks = [check_setting(run, steps[run["setting"]], None if run["setting"] == reference else reference_mean,
-                            expected_steps, tail, rtol) for run in runs]
+                            expected_steps, tail, tolerance) for run in runs]
     pair_checks = [check_pair(by_label[a], by_label[b], steps, expected_steps) for a, b in pairs]
-    return Verdict(checks, pair_checks, reference if reference in by_label else None, tail, rtol)
+    return Verdict(checks, pair_checks, reference if reference in by_label else None, tail, rtol,
+                   control if control in by_label else None, noise_floor, noise_factor, tolerance)
 
 
 def _value(value: float | None, spec: str) -> str:
@@ -166,21 +194,49 @@ def pair_outcome(pair: PairCheck) -> str:
     return f"{outcome}; " + "; ".join(found) if found else f"{outcome}; equal at all {pair.compared_steps} steps"
 
 
+def tolerance_text(verdict: Verdict) -> str:
+    """Where the tolerance on the tail mean comes from, in a sentence."""
+    if verdict.reference is None:
+        return "No reference setting among these: no tail mean is compared."
+    rule = f"A setting passes within {verdict.tolerance:.3%} of {verdict.reference}'s"
+    if verdict.control is None:
+        return f"{rule} (--loss-rtol; no perturbed control among these settings)."
+    if verdict.noise_floor is None:
+        return f"{rule} (--loss-rtol: the control {verdict.control} did not finish, so there is no noise floor)."
+    return (f"Noise floor: {verdict.control} (one rounding step of one starting weight away) ends "
+            f"{verdict.noise_floor:.3%} from {verdict.reference}. {rule}: max({verdict.rtol:.3%}, "
+            f"{verdict.noise_factor:g} x {verdict.noise_floor:.3%}).")
+
+
+def checklist(verdict: Verdict) -> list[str]:
+    """One line per criterion: the tail means, NaN or inf, the bit-identical pairs."""
+    compared = [check for check in verdict.settings if check.within is not None]
+    nonfinite = [f"{check.label} (steps {_steps(check.nonfinite_steps)})" for check in verdict.settings
+                 if check.nonfinite_steps]
+    identical = [pair for pair in verdict.pairs if pair.identical]
+    return [f"- Tail mean within {verdict.tolerance:.3%} of {verdict.reference or 'the reference'}'s: "
+            f"{sum(check.within for check in compared)} of {len(compared)} settings compared",
+            f"- NaN or inf: {'in ' + '; '.join(nonfinite) if nonfinite else 'none at any step of any setting'}",
+            f"- Bit-identical pairs: {len(identical)} of {len(verdict.pairs)}"]
+
+
 def markdown(verdict: Verdict) -> str:
-    """The verdict as markdown: a table of the settings, then one line per pair."""
-    against = (f"against {verdict.reference}'s (within {verdict.rtol:g} relative)" if verdict.reference
-               else "(no reference setting among these)")
-    lines = [f"Mean loss over the last {verdict.tail} steps {against}:",
-             "", "| setting | status | steps | NaN/inf steps | mean loss, last steps | relative difference | ok |",
-             "|---|---|---|---|---|---|---|"]
+    """The verdict as markdown: the noise floor and the tolerance, a table of the settings, one line
+    per pair, then one per criterion."""
+    reference = verdict.reference or "the reference"
+    lines = [f"Mean loss over the last {verdict.tail} steps against {reference}'s. {tolerance_text(verdict)}",
+             "", f"| setting | status | steps | NaN/inf steps | mean loss, last steps | distance from {reference} | "
+                 f"within {verdict.tolerance:.3%} | ok |",
+             "|---|---|---|---|---|---|---|---|"]
     for check in verdict.settings:
+        inside = {None: "–", True: "yes", False: "NO"}[check.within]
         lines.append(f"| {check.label} | {check.status} | {check.steps}/{check.expected_steps} | "
                      f"{_steps(check.nonfinite_steps)} | {_value(check.tail_mean, '.5f')} | "
-                     f"{_value(check.relative_difference, '.2e')} | {'yes' if check.passed else 'NO'} |")
+                     f"{_value(check.relative_difference, '.3%')} | {inside} | {'yes' if check.passed else 'NO'} |")
     if verdict.pairs:
         lines += ["", "Settings that must compute the same bits (loss and parameter norm at every step):", ""]
         lines += [f"- {pair.first} against {pair.second}: {pair_outcome(pair)}" for pair in verdict.pairs]
-    lines += ["", f"Verdict: {'PASSED' if verdict.passed else 'FAILED'}"]
+    lines += ["", *checklist(verdict), "", f"Verdict: {'PASSED' if verdict.passed else 'FAILED'}"]
     return "\n".join(lines)
 
 
