@@ -95,6 +95,11 @@
 #                   gradients clipped to norm 1, deterministic algorithms, eleven settings with the perturbed-eager
 #                   control (benchmarks/long_run.py: tail losses against eager's noise floor, offload against its
 #                   unoffloaded twin bit for bit); rerun until it exits 0
+#   litgpt-launcher one GPU: thunder's own benchmark_litgpt.py (from the installed Thunder), stablecode 32 layers,
+#                   FSDP2 with one rank, zero2, --compile inductor against --compile dynamo_thunder under
+#                   python -m thunder_memopt.launch, at T in LITGPT_T (default "8192 16384"; one T fits a 10-minute
+#                   command); "Average iter time" and "Memory used" of each into
+#                   OUT_DIR/benchmark_litgpt_stablecode_32l_zero2_<card>.md, logs beside it (issue 52)
 #   tables          OUT_DIR/table.md, and a .md and a .png next to every .jsonl, generated from the rows
 set -euo pipefail
 
@@ -171,6 +176,30 @@ tables() {
         "$PYTHON" benchmarks/make_table.py "$rows" --plot "${rows%.jsonl}.png" > "${rows%.jsonl}.md"
     done
     "$PYTHON" benchmarks/make_table.py "$OUT"/*.jsonl > "$OUT/table.md"
+}
+
+litgpt_launcher() {  # thunder's benchmark_litgpt.py unmodified, without and with the plugin, one table row each
+    local script table log t compile iters=${LITGPT_ITERS:-30} warmup=${LITGPT_WARMUP:-15}
+    script=$("$PYTHON" -c "import importlib.util as u; print(u.find_spec('thunder').submodule_search_locations[0])")/benchmarks/benchmark_litgpt.py
+    table="$OUT/benchmark_litgpt_stablecode_32l_zero2_${GPU_TAG:-$(gpu_tag)}.md"
+    [ -f "$table" ] || printf '| T | compile | Memory used GB | Average iter time ms | date | commit |\n|---|---|---|---|---|---|\n' > "$table"
+    for t in ${LITGPT_T:-8192 16384}; do
+        for compile in inductor dynamo_thunder; do
+            log="${LOG_DIR:-$OUT}/benchmark_litgpt_T${t}_${compile}.log"
+            local launcher=()
+            [ "$compile" = dynamo_thunder ] && launcher=(-m thunder_memopt.launch)
+            echo "== T=$t --compile $compile ${launcher[*]}"
+            CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 "${launcher[@]}" \
+                "$script" --model_name stablecode-completion-alpha-3b --distributed_mode fsdp2 --shard_mode zero2 \
+                --block_size "$t" --max_iters "$iters" --warmup_iters "$warmup" --compile "$compile" > "$log" 2>&1 \
+                || echo "exit code $?" >> "$log"
+            printf '| %s | %s | %s | %s | %s | %s |\n' "$t" "$compile${launcher:+ (thunder_memopt.launch)}" \
+                "$(sed -n 's/^Memory used: \([0-9.]*\) GB/\1/p' "$log")" \
+                "$(sed -n 's/^Average iter time: \([0-9.]*\) ms/\1/p' "$log")" "$(date -u +%Y-%m-%dT%H:%MZ)" \
+                "$(git rev-parse --short HEAD)" >> "$table"
+            tail -1 "$table"
+        done
+    done
 }
 
 case "$GROUP" in
@@ -308,6 +337,7 @@ case "$GROUP" in
             thunder+memopt-offload --inductor-budget 0.75 0.5 0.25 0.0 --memopt-budget 1.0 0.75 0.5 0.25 0.0 \
             --offload-budget 1.0 0.0 --out "$OUT/stablecode_8l_zero2_1xH200_T8192_pareto.jsonl" ;;
     tables) tables ;;
+    litgpt-launcher) litgpt_launcher ;;
     long-run) CUDA_VISIBLE_DEVICES=0 "$PYTHON" benchmarks/long_run.py --max-grad-norm 1 --deterministic --resume \
         --time-limit "$TIME_LIMIT_MIN" ${LOG_DIR:+--log-dir "$LOG_DIR"} \
         --out "$OUT/stablecode_8l_${GPU_TAG:-$(gpu_tag)}_T4096_long_run_clip1.jsonl" ;;
