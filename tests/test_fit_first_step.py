@@ -10,63 +10,47 @@ the buffers and the batch."""
 from __future__ import annotations
 
 import functools
-import warnings
+import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
-from thunder_memopt import MemoryOptimization, thunderfx_backend
+from _fsdp2 import fake_group, first_step  # noqa: F401 (fake_group: a fixture)
+from thunder_memopt import MemoryOptimization
 from thunder_memopt.measure import peak_live_bytes
 from thunder_memopt.models import GPTWithLoss, build_model, narrow_config, random_batch
 from thunder_memopt.passes import fit
 
 CONFIG = narrow_config("Llama-3-8B", n_layer=2, n_embd=128, block_size=256)
-WORLD_SIZE = 8
 # The first plan's prediction against the measured peak: the model leaves out the allocator-free
 # details of FSDP2's copy-in and copy-out, and places the peak where every Block's saved tensors are
 # alive with the last Block's backward working set.
 TOLERANCE = 0.10
 
 
-@pytest.fixture(scope="module")
-def fake_group():
-    dist.init_process_group(backend="fake", store=dist.HashStore(), rank=0, world_size=WORLD_SIZE)
+@pytest.fixture(scope="module", autouse=True)
+def _sharded_models_released() -> Iterator[None]:
+    """The FSDP2 models of this file gone when it ends: ``fit.fsdp2_units`` reads every FSDP2 unit
+    alive in the process where no root's forward runs, so a later file's plain ``thunder.jit``
+    program would be planned with these units (tests/test_fit_refusal.py's was, run after this file
+    in one process)."""
     yield
-    dist.destroy_process_group()
-
-
-def _local_bytes(tensors) -> int:
-    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+    _run.cache_clear()
+    torch._dynamo.reset()
+    gc.collect()
 
 
 @functools.cache
 def _run(limit: int) -> tuple[fit.FitReport, int, MemoryOptimization]:
     """A zero2 FSDP2 Llama (2 Blocks, width 128, T=256, fp32) compiled under ``memory_limit=limit``:
     the plan made at the first step, the peak measured at the second, and the transform."""
-    torch._dynamo.reset()
     gpt = build_model(CONFIG, dtype=torch.float32, seed=0)
     model = GPTWithLoss(gpt)
-    for unit in [*gpt.transformer.h, model]:
-        fully_shard(unit, reshard_after_forward=False)
     memopt = MemoryOptimization(memory_limit=limit)
-    compiled = torch.compile(model, backend=thunderfx_backend(memopt, fusion=False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = random_batch(CONFIG, batch_size=1, seq_len=256)
-
-    def step() -> None:
-        compiled(*batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        step()
+    step, resident = first_step(model, [*gpt.transformer.h, model], memopt,
+                                random_batch(CONFIG, batch_size=1, seq_len=256))
     report = memopt.fit_report
-    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    resident = (_local_bytes(model.parameters()) + _local_bytes(states) + _local_bytes(model.buffers())
-                + sum(t.nbytes for t in batch))
     return report, resident + peak_live_bytes(step), memopt
 
 

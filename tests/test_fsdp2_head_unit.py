@@ -13,21 +13,14 @@ from __future__ import annotations
 import pytest
 import thunder
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from _fsdp2 import fake_group  # noqa: F401 (a fixture)
 from thunder_memopt import thunderfx_backend
 from thunder_memopt.core.ops import FUSED_LOSS_HEAD_FORWARDS
 from thunder_memopt.models import HeadWithLoss, build_model, narrow_config, random_batch
 
 CONFIG = narrow_config("stablecode-completion-alpha-3b", n_layer=2, n_embd=128, block_size=64)
-
-
-@pytest.fixture(scope="module")
-def fake_group():
-    dist.init_process_group(backend="fake", store=dist.HashStore(), rank=0, world_size=8)
-    yield
-    dist.destroy_process_group()
 
 
 def _sharded(own_unit: bool) -> HeadWithLoss:

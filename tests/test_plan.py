@@ -6,19 +6,17 @@ against the peak of a CPU step; and its bad flags, each argparse's one-line erro
 from __future__ import annotations
 
 import functools
-import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
-from thunder_memopt import MemoryOptimization, plan, thunderfx_backend
+from _fsdp2 import WORLD_SIZE, fake_group, first_step  # noqa: F401 (fake_group: a fixture)
+from thunder_memopt import MemoryOptimization, plan
 from thunder_memopt.__main__ import main as cli
 from thunder_memopt.measure import peak_live_bytes
 from thunder_memopt.models import HeadWithLoss, build_model, narrow_config, random_batch
 
-NAME, N_EMBD, T, WORLD_SIZE = "Llama-3-8B", 128, 256, 8
+NAME, N_EMBD, T = "Llama-3-8B", 128, 256
 CONFIG = narrow_config(NAME, n_layer=2, n_embd=N_EMBD, block_size=T)
 # The plan composes the step from one Block's and the head's programs traced on meta, with FSDP2's
 # terms computed from the parameters' shapes; the CPU step has the allocator-free details of
@@ -26,41 +24,14 @@ CONFIG = narrow_config(NAME, n_layer=2, n_embd=N_EMBD, block_size=T)
 TOLERANCE = 0.10
 
 
-@pytest.fixture(scope="module")
-def fake_group():
-    dist.init_process_group(backend="fake", store=dist.HashStore(), rank=0, world_size=WORLD_SIZE)
-    yield
-    dist.destroy_process_group()
-
-
-def _local_bytes(tensors) -> int:
-    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
-
-
 @functools.cache
 def _measured() -> int:
     """The peak of a second AdamW step of the narrow Llama under FSDP2 and thunderfx_backend at
     budget 1.0: the profiler's live bytes above those alive before it, plus those."""
-    torch._dynamo.reset()
     gpt = build_model(CONFIG, dtype=torch.float32, seed=0)
     model = HeadWithLoss(gpt)
-    for unit in [*gpt.transformer.h, gpt.transformer.wte, model]:
-        fully_shard(unit, reshard_after_forward=False)
-    compiled = torch.compile(model, backend=thunderfx_backend(MemoryOptimization(), fusion=False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = random_batch(CONFIG, batch_size=1, seq_len=T)
-
-    def step() -> None:
-        compiled(*batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        step()
-    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    resident = (_local_bytes(model.parameters()) + _local_bytes(states) + _local_bytes(model.buffers())
-                + sum(t.nbytes for t in batch))
+    step, resident = first_step(model, [*gpt.transformer.h, gpt.transformer.wte, model], MemoryOptimization(),
+                                random_batch(CONFIG, batch_size=1, seq_len=T))
     peak = resident + peak_live_bytes(step)
     torch._dynamo.reset()
     return peak
