@@ -113,24 +113,6 @@ def test_bad_over_limit_values_are_one_line_errors(make):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("argv, environ", [
-    (["--memory-limit", "1GiB", "--over-limit", "warn", "{script}"], {}),
-    (["--memory-limit", "1GiB", "{script}"], {"THUNDER_MEMOPT_OVER_LIMIT": "never"}),
-    (["--over-limit", "lowest", "{script}"], {}),  # without a limit
-])
-def test_the_launchers_bad_over_limit_is_argparses_one_line_error(argv, environ, tmp_path, monkeypatch, capsys):
-    script = tmp_path / "program.py"
-    script.write_text("raise SystemExit('the program ran')\n")
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(SystemExit) as exited:
-        launch.main([a.format(script=script) for a in argv])
-    assert exited.value.code == 2
-    error = capsys.readouterr().err.splitlines()[-1]
-    assert error.startswith(f"{launch.PROG}: error: ") and ("over_limit" in error or "OVER_LIMIT" in error
-                                                               or "--over-limit" in error), error
-
-
 @pytest.mark.parametrize("over_limit", [None, "lowest"])
 def test_the_benchmarks_fit_rows_take_over_limit(over_limit, capsys):
     import sys

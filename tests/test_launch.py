@@ -89,6 +89,9 @@ def test_every_option_but_the_rates_has_a_flag():
     (["{script}"], {"THUNDER_MEMOPT_OFFLOAD_BUDGET": "half"}, "THUNDER_MEMOPT_OFFLOAD_BUDGET"),
     (["--offload-budget", "0.5", "{script}"], {}, "offload_budget"),
     (["--host-memory-limit", "0.5", "{script}"], {}, "--host-memory-limit"),
+    (["--memory-limit", "1GiB", "--over-limit", "warn", "{script}"], {}, "--over-limit"),
+    (["--memory-limit", "1GiB", "{script}"], {"THUNDER_MEMOPT_OVER_LIMIT": "never"}, "THUNDER_MEMOPT_OVER_LIMIT"),
+    (["--over-limit", "lowest", "{script}"], {}, "over_limit='lowest' applies to memory_limit"),  # no limit
     (["no_such_program.py"], {}, "no_such_program.py"),
     ([], {}, "script"),
 ])
