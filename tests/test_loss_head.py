@@ -364,7 +364,7 @@ def test_inference_uses_the_fused_forward_without_warnings():
 
 # transformers' ForCausalLMLoss: logits.float().view(-1, V), the labels shifted by a pad of -100 and
 # a slice, "mean", or "sum" divided by num_items_in_batch; the model also returns the logits.
-HF_WITH_LOGITS = "memopt_linear_cross_entropy_forward_and_logits"
+HF_WITH_LOGITS = "memopt_linear_cross_entropy_forward_and_logits_with_gradients"
 
 
 class HFStep(NamedTuple):

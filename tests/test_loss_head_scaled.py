@@ -25,7 +25,7 @@ from thunder_memopt.executors._head_shapes import aligned_classes, chunk_tokens,
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 FP32_GRAD = dict(rtol=1e-4, atol=1e-5)
-HEAD_WITH_LOGITS = "memopt_linear_cross_entropy_forward_and_logits"
+HEAD_WITH_LOGITS = "memopt_linear_cross_entropy_forward_and_logits_with_gradients"
 NARROW = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, vocab_size=256)
 # Scales that round: neither is a power of two, so a fused head that multiplied by 1 / scale

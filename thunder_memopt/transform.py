@@ -148,7 +148,8 @@ class MemoryOptimization(Transform):
             (thunder_memopt.executors.offload).
         head_gradients: where the fused loss head computes its gradients. "forward": in the forward,
             one matmul less, through a tokens x vocabulary buffer at the end of the forward, where
-            every layer's saved tensors are alive (2 GiB for Llama-3's vocabulary at T=8192);
+            every layer's saved tensors are alive (2 GiB for Llama-3's vocabulary at T=8192), or
+            where the model also returns its logits, from slices of them (no buffer more);
             "backward": it recomputes its logits in the backward, in chunks, and holds nothing of
             that size. None: "forward" at ``activation_budget=1.0`` without offload or a memory limit,
             else "backward".

@@ -6,8 +6,11 @@ inputs of
 - inductor: ``torch.compile``d ``F.cross_entropy(F.linear(h, W).float(), t)``;
 - the fused head with the logits recomputed in the backward (``linear_cross_entropy``), and with
   the gradients in the forward;
-- the fused head that also returns the logits, as transformers' models are fused (the
-  ``memopt_linear_cross_entropy_forward_and_logits`` and ``_backward`` ops, run directly).
+- the fused head that also returns the logits, as transformers' models are fused (the ops the
+  loss_head pass puts in a trace, run directly): recomputing them in the backward
+  (``memopt_linear_cross_entropy_forward_and_logits`` and ``_backward``), and with the gradients in
+  the forward from the logits' views (``..._forward_and_logits_with_gradients`` and
+  ``..._scale_gradients_and_logits_grad``), at each ``--slice-mib`` of the logits' gradient.
 Each row names the chunk shapes the head chose (executors._head_shapes). With ``--profile``, the
 fused head's top CUDA kernels per vocabulary: ``nvjet`` (sm90) or ``cutlass_80`` (sm80) matmuls.
 Under 4 minutes on an H100 (most of it inductor's five compilations):
@@ -30,6 +33,7 @@ from loss_head import measure, profile
 
 from thunder_memopt.executors import chunked_cross_entropy as cce
 from thunder_memopt.executors import linear_cross_entropy
+from thunder_memopt.executors import _head_shapes
 from thunder_memopt.executors._head_shapes import chunk_tokens, vocabulary_width
 
 VOCABULARIES = (32000, 49155, 128256, 151936, 256000)
@@ -59,11 +63,41 @@ class _WithLogits(torch.autograd.Function):
         return grads[0], grads[1], None, None
 
 
-def with_logits(hidden, weight, targets):
+class _WithLogitsInForward(torch.autograd.Function):
+    """The same head with the gradients in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        options = (-100, "mean", chunk, ())
+        loss, logits, lse, *unit = cce._logits_with_gradients_impl(hidden, weight, None, targets, *options,
+                                                                    dtypes.float32)
+        ctx.save_for_backward(hidden, weight, targets, lse, *unit[:2])
+        ctx.options = options
+        return loss, logits
+
+    @staticmethod
+    def backward(ctx, grad, logits_grad):
+        hidden, weight, targets, lse, *unit = ctx.saved_tensors
+        grads = cce._scale_with_logits_grad_impl(grad, logits_grad, hidden, weight, None, targets, lse, *ctx.options,
+                                                 *unit, None)
+        return grads[0], grads[1], None, None
+
+
+def with_logits(hidden, weight, targets, function=_WithLogits):
     chunk = chunk_tokens(targets.shape[0], weight.shape[0], device=hidden.device.type)
-    loss, logits = _WithLogits.apply(hidden, weight, targets, chunk)
+    loss, logits = function.apply(hidden, weight, targets, chunk)
     loss.logits = logits  # held until the step ends, as a model's output holds them
     return loss
+
+
+def with_logits_in_forward(slice_mib: int):
+    """with_logits, the gradients in the forward, in slices of ``slice_mib`` of the logits' gradient."""
+
+    def head(hidden, weight, targets):
+        _head_shapes.GRADIENT_SLICE_BYTES = slice_mib * 2**20
+        return with_logits(hidden, weight, targets, _WithLogitsInForward)
+
+    return head
 
 
 def measure_on(device: str, fn, hidden, weight, targets) -> tuple[float, float | None]:
@@ -82,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--profile", action="store_true", help="the fused head's top CUDA kernels per vocabulary")
+    parser.add_argument("--slice-mib", type=int, nargs="+", default=[_head_shapes.GRADIENT_SLICE_BYTES // 2**20],
+                        help="sizes of a slice of the logits' gradient, with the logits returned")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("head_shapes: needs a GPU (or --device cpu)")
@@ -105,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                  ("fused, gradients in forward", in_forward,
                   f"{chunk_tokens(n, vocab, gradients_in_forward=True, device=args.device)} | -"),
                  ("fused, logits returned", with_logits, shapes))
+        for mib in args.slice_mib:
+            _head_shapes.GRADIENT_SLICE_BYTES = mib * 2**20
+            rows, columns = _head_shapes.gradient_slices(n, vocab, 2)
+            heads += ((f"fused, logits returned, gradients in forward ({mib} MiB slices)",
+                       with_logits_in_forward(mib), f"{rows} | {columns}"),)
         for label, fn, chosen in heads:
             ms, peak = measure_on(args.device, fn, hidden, weight, targets)
             print(f"| {vocab} | {label} | {chosen} | {ms:.2f} | {'-' if peak is None else f'{peak:.0f}'} |",

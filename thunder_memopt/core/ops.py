@@ -113,6 +113,9 @@ FUSED_LOSS_HEAD_MATMULS = {
     "memopt_linear_cross_entropy_and_logits": 1, "memopt_linear_cross_entropy_forward_and_logits": 1,
     "memopt_linear_cross_entropy_backward": 3, "memopt_linear_cross_entropy_forward_with_gradients": 3,
     "memopt_linear_cross_entropy_scale_gradients": 0,
+    "memopt_linear_cross_entropy_forward_and_logits_with_gradients": 3,
+    # Where the model's logits get a gradient of their own, two more (and the logits again).
+    "memopt_linear_cross_entropy_scale_gradients_and_logits_grad": 0,
 }
 FUSED_LOSS_HEAD = frozenset(FUSED_LOSS_HEAD_MATMULS)
 
@@ -121,7 +124,8 @@ FUSED_LOSS_HEAD = frozenset(FUSED_LOSS_HEAD_MATMULS)
 # a replay redoes the vocabulary matmul, the largest of the step, and with the logits as the model's
 # result makes them whole again in the backward (2 GiB at Llama-3, T=8192).
 FUSED_LOSS_HEAD_FORWARDS = FUSED_LOSS_HEAD - {"memopt_linear_cross_entropy_backward",
-                                              "memopt_linear_cross_entropy_scale_gradients"}
+                                              "memopt_linear_cross_entropy_scale_gradients",
+                                              "memopt_linear_cross_entropy_scale_gradients_and_logits_grad"}
 
 _CHEAP = ELEMENTWISE | VIEWS | COPIES | CREATION | NORM_REDUCTIONS
 _EXPENSIVE = MATMULS | ATTENTION | EMBEDDING | SOFTMAX_AND_LOSS | FUSED_LOSS_HEAD

@@ -27,6 +27,7 @@ import types
 import thunder
 from thunder.extend import Executor
 
+from thunder_memopt.executors import _head_accounting  # noqa: F401  registers the head ops' workspace
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy, linear_cross_entropy_ex
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
 from thunder_memopt.executors.fusion import (

@@ -13,7 +13,7 @@ its logits in a buffer whose rows are padded to 16 bytes (``padded_row``), as in
 
 from __future__ import annotations
 
-__all__ = ["chunk_tokens", "vocabulary_width", "padded_row", "aligned_classes", "spans"]
+__all__ = ["chunk_tokens", "vocabulary_width", "gradient_slices", "padded_row", "aligned_classes", "spans"]
 
 # Elements of one chunk's fp32 logits (128 MiB): big enough for efficient matmuls, small next to
 # the activations.
@@ -25,6 +25,8 @@ _MIN_CHUNKS = 8
 # ridge of about 295 (989 TFLOP/s over 3.35 TB/s), so the matmul would wait for memory.
 _MIN_CUDA_ROWS = 512
 _ALIGN_BYTES = 16
+# One slice of the logits' gradient where the logits are held whole (gradient_slices).
+GRADIENT_SLICE_BYTES = 512 * 2**20
 
 
 def _down(n: int) -> int:
@@ -58,6 +60,19 @@ def vocabulary_width(tokens: int, vocab: int, chunk: int) -> int:
         return vocab
     rows = min(chunk, max(1, _CHUNK_LOGIT_ELEMENTS // vocab))
     return min(vocab, _down(rows * vocab // tokens))
+
+
+def gradient_slices(tokens: int, vocab: int, element_bytes: int) -> tuple[int, int]:
+    """(rows, classes) of each slice of the logits' gradient where the head computes it from its
+    logits held whole (the model returns them): slices of the vocabulary, all tokens each, where
+    there are fewer tokens than classes, else chunks of tokens, all classes each; of about
+    GRADIENT_SLICE_BYTES in the model's dtype, a multiple of 128 (the last takes the rest). Wide,
+    so that each slice's two products, its part of the weight's gradient and its sum into the
+    hidden states', are matmuls of full rate, and the sum's fp32 accumulator is read and written
+    few times."""
+    if tokens < vocab:
+        return tokens, min(vocab, _down(GRADIENT_SLICE_BYTES // element_bytes // max(1, tokens)))
+    return min(tokens, _down(GRADIENT_SLICE_BYTES // element_bytes // vocab)), vocab
 
 
 def padded_row(columns: int, element_bytes: int) -> int:

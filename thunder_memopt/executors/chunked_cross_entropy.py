@@ -1,35 +1,17 @@
-"""The fused loss head: a linear layer and its cross-entropy, without ever holding the logits.
+"""The fused loss head: a linear layer and its cross-entropy, without holding fp32 logits whole.
 
-The head's output is tokens x vocabulary: for stablecode (vocab 49152) at T=8192 that is 768 MiB in
-bf16, and the unfused loss saves it, and its log-softmax, for the backward, then builds a gradient
-of the same size. Following Apple's Cut Cross-Entropy, this head walks the tokens in chunks:
-
-- forward: each chunk's logits, their log-sum-exp and the target's logit; only the log-sum-exp
-  (4 bytes a token) is kept;
-- backward: each chunk's logits again (one more matmul), the softmax gradient, and from it the
-  gradients of the hidden states and of the head's weight and bias. One of the two is summed over
-  the chunks in fp32 and cast once at the end: the weight's when the chunks are of tokens, the
-  hidden states' when they are of the vocabulary, whichever accumulator is smaller.
-
-So the backward needs the hidden states, the weight, the targets and the log-sum-exp, and no
-tensor of vocabulary size lives longer than a chunk. The logits are computed by the same matmul
-in the model's dtype as the unfused head and upcast per chunk, so the loss is the fp32 loss of the
-same logits; only the order of summation differs. Where the model scales or soft-caps the logits
-before its loss (Granite, Cohere, Gemma-2), each chunk applies the model's ops to its logits in the
-dtype the model ran them in (thunder_memopt.executors._head_math), so again the loss is the fp32 loss
-of the model's logits. The chunks' shapes (executors._head_shapes) keep every matmul on 16-byte
-aligned rows, multiples of 128 where the code chooses them.
-
-Two ways in:
-- ``linear_cross_entropy(hidden, weight, targets, ...)``, a torch function (an autograd.Function)
-  for loops that compute the loss outside the compiled model;
-- the Thunder symbol ``memopt_linear_cross_entropy`` of ``linear_cross_entropy_ex``, which
-  MemoryOptimization's ``loss_head`` pass puts in place of ``linear -> cross_entropy`` in a trace
-  (thunder_memopt.passes.loss_head). Its grad transform saves what the backward above needs.
-  Where the model also returns the logits (transformers), ``memopt_linear_cross_entropy_and_logits``
-  makes them whole, the model's result, but does not save them: its backward recomputes them in
-  chunks like the other forms and adds their own gradient. Saved, they would be the step's largest
-  tensor (2 GiB for Llama-3 at T=8192, more than two layers' saved activations) to spare one matmul.
+Unfused, the head saves its tokens x vocabulary logits and their log-softmax, then builds a gradient
+of that size. Following Apple's Cut Cross-Entropy, this head walks its logits in chunks of tokens or
+slices of the vocabulary, each made by the model's own matmul in its dtype and upcast per chunk, so
+the loss is the fp32 loss of the model's logits; only the order of summation differs. The model's
+ops between the matmul and the loss (Granite's scale, Gemma-2's soft-cap) apply per chunk, in the
+dtype it ran them in (executors._head_math); the chunks' shapes keep every matmul on Hopper's fast
+kernels (executors._head_shapes). Where the gradients are computed (the grad transforms, below):
+- in the backward: the forward keeps each token's log-sum-exp, the backward makes the logits again;
+- in the forward: from the logits the forward has (one matmul less); the backward scales them.
+A model that also returns its logits (transformers) gets them whole, as unfused, from one matmul.
+Ways in: ``linear_cross_entropy`` (an autograd.Function), and the Thunder ops of
+``linear_cross_entropy_ex`` that MemoryOptimization's ``loss_head`` pass puts in a trace.
 """
 
 from __future__ import annotations
@@ -41,14 +23,14 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_memopt.core.memory import WORKSPACE_BYTES
 from thunder_memopt.executors._head_math import lse_and_target_logit as _lse_and_target_logit
 from thunder_memopt.executors._head_math import logits_grad as _logits_grad
 from thunder_memopt.executors._head_math import loss_terms_and_logits_grad_ as _loss_terms_and_logits_grad_
 from thunder_memopt.executors._head_math import apply_steps, scaled, softcap_steps, steps_dtype
-from thunder_memopt.executors._head_shapes import aligned_classes, chunk_tokens, padded_row, spans, vocabulary_width
+from thunder_memopt.executors._head_shapes import (aligned_classes, chunk_tokens, gradient_slices, padded_row, spans,
+                                                   vocabulary_width)
 from thunder_memopt.executors._loss_checks import REDUCTIONS, check_targets, checked_options
-from thunder_memopt.executors.fusion import COMPILED_FUNCTIONS_OF, TensorMetadata, compiled_function, torch_metadata
+from thunder_memopt.executors.fusion import TensorMetadata, compiled_function, torch_metadata
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "REDUCTIONS"]
 
@@ -56,7 +38,7 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_ex", "chunk_tokens", "R
 # of several passes over fp32 copies, and so is the scaling of the gradients (a bf16 tensor times
 # an fp32 scalar tensor takes ATen's slow mixed-dtype path); elsewhere they run eagerly, in place.
 # They are compiled as the fusion executor compiles its regions (no dynamo, no AOTAutograd, no
-# autotuning), and ahead of the first step with the regions (COMPILED_FUNCTIONS_OF below).
+# autotuning), and ahead of the first step with the regions (executors._head_accounting).
 COMPILED_DEVICES = {"cuda"}
 _TAKES_COMPILED = (_logits_grad, _loss_terms_and_logits_grad_)
 # Devices where _linear splits off the classes past the last whole 16 bytes.
@@ -140,7 +122,8 @@ def _chunk_grad(logits, lse, column, hit, row_scale, logits_grad, steps):
 
 def _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk, out_dtype, logits=None):
     """(loss, log-sum-exp of every token) for (N, C) hidden states and (N,) targets; each chunk's
-    logits a slice of rows of ``logits``, the head's (N, V) output after ``steps``, where given."""
+    logits a slice of rows of ``logits``, the head's (N, V) matmul, where given (``steps`` applied
+    to them per chunk: () where they are the model's logits already)."""
     n = hidden.shape[0]
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -149,8 +132,7 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chun
         logits_chunk = _chunk_logits(hidden, weight, bias, rows) if logits is None else logits[rows]
         t = targets[start:stop]
         valid = t != ignore_index
-        lse[start:stop], picked = _run(_lse_and_target_logit, logits_chunk, torch.where(valid, t, 0),
-                                       steps=() if logits is not None else steps)
+        lse[start:stop], picked = _run(_lse_and_target_logit, logits_chunk, torch.where(valid, t, 0), steps=steps)
         del logits_chunk
         total += torch.where(valid, lse[start:stop] - picked, 0.0).sum()
     if reduction == "mean":
@@ -188,7 +170,7 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
 
 
 def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk,
-              needs_weight_grad, logits_grad=None):
+              needs_weight_grad, logits_grad=None, logits=None, columns=None):
     """Gradients of the hidden states, the weight and the bias (None where not needed).
 
     The walk goes over whichever axis needs the smaller fp32 accumulator: over the vocabulary
@@ -198,7 +180,9 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     which fixes the bytes of one chunk's logits either way.
 
     Where the head's output (after ``steps``) is also a result of the model, ``logits_grad``, the
-    gradient of that result, is added to each chunk's softmax gradient (_chunk_grad)."""
+    gradient of that result, is added to each chunk's softmax gradient (_chunk_grad). Where the
+    head's matmul is given whole (``logits``, before the steps), each chunk is a view of it instead
+    of a matmul of its own, and ``columns`` (classes per slice) may widen the vocabulary's slices."""
     n, vocab = hidden.shape[0], weight.shape[0]
     valid = targets != ignore_index
     scale = grad.float()
@@ -208,22 +192,21 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     target = torch.where(valid, targets, 0)
     with_bias = bias is not None and needs_weight_grad
     if n < vocab:
-        width = vocabulary_width(n, vocab, chunk)
+        width = columns or vocabulary_width(n, vocab, chunk)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight) if needs_weight_grad else None
         grad_bias = torch.empty_like(bias) if with_bias else None
         for start, stop in spans(vocab, width):
-            w = weight[start:stop]
-            columns = slice(start, stop)
-            logits_chunk = _chunk_logits(hidden, weight, bias, slice(None), columns)
+            w, part = weight[start:stop], slice(start, stop)
+            logits_chunk = _chunk_logits(hidden, weight, bias, slice(None), part) if logits is None else logits[:, part]
             hit = valid & (target >= start) & (target < stop)
             column = (target - start).clamp_(0, stop - start - 1)
             g = _chunk_grad(logits_chunk, lse, column, hit, row_scale,
-                            None if logits_grad is None else logits_grad[:, columns], steps)
+                            None if logits_grad is None else logits_grad[:, part], steps)
             del logits_chunk
             _accumulate_product_(grad_hidden, g, w)
             if grad_weight is not None:
-                grad_weight[start:stop] = g.t() @ hidden
+                torch.mm(g.t(), hidden, out=grad_weight[start:stop])
             if grad_bias is not None:
                 grad_bias[start:stop] = g.float().sum(0).to(bias.dtype)
         return grad_hidden.to(hidden.dtype), grad_weight, grad_bias
@@ -232,7 +215,7 @@ def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_bias else None
     for start, stop in spans(n, chunk):
         h, rows = hidden[start:stop], slice(start, stop)
-        logits_chunk = _chunk_logits(hidden, weight, bias, rows)
+        logits_chunk = _chunk_logits(hidden, weight, bias, rows) if logits is None else logits[rows]
         g = _chunk_grad(logits_chunk, lse[rows], target[rows], valid[rows], row_scale[rows],
                         None if logits_grad is None else logits_grad[rows], steps)
         del logits_chunk
@@ -323,19 +306,18 @@ def linear_cross_entropy(
                                      softcap_steps(options.softcap), chunk, gradients_in_forward)
 
 
-# The Thunder executor and its symbols. ``head_loss`` is what the loss_head pass puts in a trace; its
+# The Thunder executor and its ops. ``head_loss`` is what the loss_head pass puts in a trace; its
 # grad transform picks, by ``gradients_in_forward``, the forward/backward pair that training runs:
 # - False (Cut Cross-Entropy): the forward keeps the log-sum-exp, the backward recomputes each
 #   chunk's logits (one more matmul; nothing of vocabulary size is saved);
 # - True: the forward computes the gradients for a unit upstream gradient with the logits it has
-#   (no matmul is repeated) and saves them; the backward scales them. They are the head's own
-#   parameter and input gradients, which the backward would create at once anyway; the cost is the
-#   logits' gradient (tokens x vocab, model dtype) during the head's forward.
-# ``head_loss_and_logits`` is the head whose logits are also a result of the model (transformers'
-# ``CausalLMOutput.logits``): one whole matmul makes them, as the unfused head does; the backward
-# recomputes them in chunks, as head_backward does for head_loss, and adds their own gradient. What
-# it never holds whole is the fp32 logits, their log-softmax and the loss's gradient of the logits,
-# and it saves nothing of vocabulary size for the backward.
+#   and saves them; the backward scales them. They are the head's own gradients, which its backward
+#   would create at once anyway; the cost is a tokens x vocab buffer during the head's forward.
+# ``head_loss_and_logits`` is the head whose logits are also the model's result: one whole matmul
+# makes them. False: the backward recomputes them in chunks and adds their own gradient. True: the
+# forward computes the loss's gradients from slices of that matmul's output, which is whole anyway
+# (no tokens x vocab buffer more), and the backward adds the logits' own gradient only where they
+# have one.
 
 linear_cross_entropy_ex = OperatorExecutor("memopt_linear_cross_entropy", version="0.1")
 register_executor(linear_cross_entropy_ex)
@@ -372,17 +354,61 @@ def _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduct
 def _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
     # The model's logits: the same one matmul, then its ops on them, whole, as the model runs them.
     logits = apply_steps(_linear(hidden, weight, bias), steps, in_place=True)
-    loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk,
+    loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, (), chunk,
                          dtypes.to_torch_dtype(out_dtype), logits)
     return loss, logits, lse
 
 
-def _loss_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+def _logits_with_gradients_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    grads = _backward_meta(None, hidden, weight, bias, targets, None, ignore_index, reduction, chunk, steps)
+    return (*_forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps,
+                                      out_dtype), *grads)
+
+
+def _logits_with_gradients_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+    """(loss, the model's logits, log-sum-exp, and the gradients for a unit upstream gradient): the
+    head's one whole matmul, the loss from it, then the loss's gradients from views of it, in slices
+    of gradient_slices' size (the logits are whole anyway, so no matmul is made twice), before the
+    steps make the model's logits of it in place."""
+    raw = _linear(hidden, weight, bias)
+    loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk,
+                         dtypes.to_torch_dtype(out_dtype), raw)
+    rows, columns = gradient_slices(*raw.shape, raw.element_size())
+    unit = torch.ones((), dtype=torch.float32, device=hidden.device)
+    grads = _backward(unit, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, rows, True,
+                      logits=raw, columns=columns)
+    return loss, apply_steps(raw, steps, in_place=True), lse, *grads
+
+
+def _scale_with_logits_grad_meta(grad, logits_grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
+                                 chunk, steps, grad_hidden, grad_weight, grad_bias):
+    return _scale_meta(grad, grad_hidden, grad_weight, grad_bias)
+
+
+def _scale_with_logits_grad_impl(grad, logits_grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
+                                 chunk, steps, grad_hidden, grad_weight, grad_bias):
+    """The unit gradients scaled by ``grad``, plus the model's own gradient of its logits where it
+    has one: autograd hands a result that nothing used a gradient of zeros, checked here (one read
+    of it, and a wait for the device) so that the common case makes no matmul. Otherwise that
+    gradient goes through the chunks of _backward, which recompute the logits (the steps'
+    derivative needs them) and add nothing of the loss's (its scale is 0)."""
+    grads = _scale_impl(grad, grad_hidden, grad_weight, grad_bias)
+    if logits_grad is None or not bool(logits_grad.any()):
+        return grads
+    nothing = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    added = _backward(nothing, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk, True,
+                      logits_grad)
+    return tuple(None if a is None else a + b for a, b in zip(grads, added))
+
+
+def _loss_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
+                          gradients_in_forward=False):
     return _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps,
                                     out_dtype)[:2]
 
 
-def _loss_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+def _loss_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
+                          gradients_in_forward=False):
     return _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps,
                                     out_dtype)[:2]
 
@@ -436,6 +462,12 @@ head_forward_with_gradients = linear_cross_entropy_ex.register_operator(
     tags=_TAGS)
 head_scale_gradients = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_scale_gradients", meta=_scale_meta, fn=_scale_impl)
+head_forward_logits_with_gradients = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_forward_and_logits_with_gradients", meta=_logits_with_gradients_meta,
+    fn=_logits_with_gradients_impl, tags=_TAGS)
+head_scale_with_logits_grad = linear_cross_entropy_ex.register_operator(
+    "memopt_linear_cross_entropy_scale_gradients_and_logits_grad", meta=_scale_with_logits_grad_meta,
+    fn=_scale_with_logits_grad_impl)
 
 
 def _grad(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
@@ -456,8 +488,16 @@ def _put_head_grads(hidden, weight, bias, grads) -> None:
     put_grads(inputs, grads[: len(inputs)])
 
 
-def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
+def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
+                     gradients_in_forward=False):
     options = (ignore_index, reduction, chunk, steps)
+    if gradients_in_forward:
+        loss, logits, lse, *unit = head_forward_logits_with_gradients(hidden, weight, bias, targets, *options,
+                                                                       out_dtype)
+        grads = head_scale_with_logits_grad(get_grad(loss), get_grad(logits), hidden, weight, bias, targets, lse,
+                                            *options, *unit)
+        _put_head_grads(hidden, weight, bias, grads)
+        return loss, logits
     loss, logits, lse = head_forward_and_logits(hidden, weight, bias, targets, *options, out_dtype)
     # The backward recomputes the logits (saving them would keep tokens x vocab until it runs), and
     # adds their own gradient.
@@ -469,103 +509,3 @@ def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chu
 linear_cross_entropy_ex.register_implementation(head_loss, head_loss, grad_transform=_grad)
 linear_cross_entropy_ex.register_implementation(head_loss_and_logits, head_loss_and_logits,
                                                 grad_transform=_grad_and_logits)
-
-
-# What the memory model cannot see: each op's chunks of logits (and of their gradient), its
-# accumulator and, with the gradients in the forward, the logits' gradient buffer that the logits
-# are written into. Eagerly (off CUDA) a chunk's math adds its temporaries.
-def _eager_temporaries(hidden: TensorProxy, rows: int, columns: int, steps, *, gradient: bool) -> int:
-    """A chunk's fp32 copy, the model-dtype results of its steps and, for its gradient, the
-    model-dtype result and each tanh's fp32 derivative; none on CUDA, where the math is one
-    compiled kernel."""
-    if hidden.device.type == "cuda":
-        return 0
-    per_element = 4 + (hidden.dtype.bytes if steps else 0)
-    if gradient:
-        per_element += hidden.dtype.bytes + 4 * sum(op == "tanh" for op, _ in steps)
-    return rows * columns * per_element
-
-
-def _forward_workspace(bsym) -> int:
-    hidden, weight, chunk, steps = bsym.args[0], bsym.args[1], bsym.args[6], bsym.args[7]
-    rows, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
-    if bsym.sym.name in _WITH_LOGITS:
-        # A chunk's logits are a view of the op's output, which the steps make from the matmul's,
-        # in place unless one is a cast.
-        cast = any(op == "to" for op, _ in steps)
-        return hidden.shape[0] * vocab * hidden.dtype.bytes * cast + _eager_temporaries(hidden, rows, vocab, (),
-                                                                                       gradient=False)
-    return rows * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, rows, vocab, steps, gradient=False)
-
-
-def _with_gradients_workspace(bsym) -> int:
-    hidden, weight, chunk, steps = bsym.args[0], bsym.args[1], bsym.args[6], bsym.args[7]
-    (n, _), vocab = hidden.shape, weight.shape[0]
-    return n * vocab * hidden.dtype.bytes + _eager_temporaries(hidden, min(chunk, n), vocab, steps, gradient=True)
-
-
-def _backward_workspace(bsym) -> int:
-    hidden, weight, chunk, steps = bsym.args[1], bsym.args[2], bsym.args[8], bsym.args[9]
-    (n, width), vocab = hidden.shape, weight.shape[0]
-    if n < vocab:  # vocabulary chunks; the hidden states' gradient summed in fp32
-        rows, columns, accumulator = n, vocabulary_width(n, vocab, chunk), n * width
-    else:
-        rows, columns, accumulator = min(chunk, n), vocab, vocab * width
-    logits_and_gradient = 2 * rows * columns * hidden.dtype.bytes  # a chunk's
-    return (logits_and_gradient + _eager_temporaries(hidden, rows, columns, steps, gradient=True)
-            + accumulator * (4 + _accumulation_temporary_bytes(hidden.device, hidden.dtype)))
-
-
-def _functions_called(bsym) -> list:
-    """The compiled functions an op of the head will call (``_run``), for compile_ahead: one per
-    function and chunk size, on the shapes its loops give them, for contiguous inputs. With steps,
-    the backward's chunk function also takes the model's gradient of the logits, a slice of columns
-    where it walks the vocabulary: that one is compiled at its first call, for the slice's strides."""
-    name = bsym.sym.name
-    if name == head_scale_gradients.name:
-        return [c for c in [_compiled(scaled, [torch_metadata(a) for a in bsym.args if a is not None])] if c]
-    backward = name == head_backward.name
-    hidden, weight, targets = bsym.args[1:3] + bsym.args[4:5] if backward else bsym.args[:2] + bsym.args[3:4]
-    chunk, steps = bsym.args[8:10] if backward else bsym.args[6:8]
-    (n, _), vocab = hidden.shape, weight.shape[0]
-    _, dtype, device = torch_metadata(hidden)
-    index = dtypes.to_torch_dtype(targets.dtype)
-    stepped = dtypes.to_torch_dtype(steps_dtype(steps, hidden.dtype))  # the dtype of the model's logits
-    if name in _WITH_LOGITS:  # the chunks are views of the model's logits, after the steps
-        steps, dtype = (), stepped
-
-    def rows(r: int, columns: int = vocab) -> list[TensorMetadata]:  # logits, then per-row tensors
-        return [((r, columns), dtype, device)] + [((r,), t, device) for t in kinds]
-
-    sizes = sorted({stop - start for start, stop in spans(n, chunk)})
-    if name == head_forward_with_gradients.name:
-        kinds, f = (index, torch.bool, torch.float32), _loss_terms_and_logits_grad_
-        calls = [(f, rows(r)) for r in sizes]
-    elif not backward:
-        kinds, f = (index,), _lse_and_target_logit
-        calls = [(f, rows(r)) for r in sizes]
-    else:
-        kinds = (torch.float32, index, torch.bool, torch.float32)
-        added = bool(steps) and len(bsym.args) > 10 and bsym.args[10] is not None  # as _chunk_grad
-        if n < vocab:  # as _backward walks the vocabulary
-            widths = sorted({stop - start for start, stop in spans(vocab, vocabulary_width(n, vocab, chunk))})
-            calls = [] if added else [(_logits_grad, rows(n, c)) for c in widths]
-        else:
-            calls = [(_logits_grad, rows(r) + ([((r, vocab), stepped, device)] if added else [])) for r in sizes]
-    return [c for f, tensors in calls if (c := _compiled(f, tensors, steps=steps)) is not None]
-
-
-COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (
-    head_loss, head_forward, head_forward_with_gradients, head_backward, head_scale_gradients,
-    head_loss_and_logits, head_forward_and_logits)})
-
-
-_WITH_LOGITS = {head_loss_and_logits.name, head_forward_and_logits.name}
-WORKSPACE_BYTES.update({
-    head_loss.name: _forward_workspace,
-    head_forward.name: _forward_workspace,
-    head_loss_and_logits.name: _forward_workspace,
-    head_forward_and_logits.name: _forward_workspace,
-    head_forward_with_gradients.name: _with_gradients_workspace,
-    head_backward.name: _backward_workspace,
-})

@@ -13,8 +13,9 @@ shifted by a pad and a slice, ``ignore_index=-100``, "mean", or "sum" that the m
 by ``num_items_in_batch``: the division reads the fused loss as it read the unfused one), but the
 model also returns the logits. Then the head becomes ``memopt_linear_cross_entropy_and_logits``,
 which makes the logits with the same one matmul and returns them in their place, without saving
-them (its backward recomputes them in chunks); what it never holds whole is their fp32 copy, the
-log-softmax and the loss's gradient of the logits.
+them (its gradients come from slices of them in the forward, or from chunks of them made again in
+the backward); what it never holds whole is their fp32 copy, the log-softmax and the loss's
+gradient of the logits.
 
 Between the linear and the chain, a model may scale the logits by a Python number (Granite's
 ``logits / logits_scaling``, Cohere's ``logits * logit_scale``) or soft-cap them (Gemma-2's
@@ -194,21 +195,19 @@ def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> T
         x, weight, bias = (list(head.linear.args) + [None])[:3]
         ce, target = head.chain[-1], head.target
         tokens, vocab = target.shape[0], weight.shape[0]
-        # With the logits kept, the backward multiplies their own gradient by the weight and by the
-        # hidden states whatever the forward did: the loss's gradients computed in the forward would
-        # take two matmuls there to spare the backward one, its recomputation of the logits.
-        in_forward = gradients_in_forward and not head.keeps_logits
-        chunk = chunk_tokens(tokens, vocab, gradients_in_forward=in_forward, device=x.device.type)
+        # With the logits kept, the chunks of the loss are views of them whatever the head does.
+        chunk = chunk_tokens(tokens, vocab, gradients_in_forward=gradients_in_forward and not head.keeps_logits,
+                             device=x.device.type)
         scope: list[BoundSymbol] = []
         new.push_scope(scope)
         with tracectx(new):
             hidden = ltorch.reshape(x, (tokens, x.shape[-1]))
             options = (head.ignore_index, head.reduction, chunk, head.steps, ce.output.dtype)
             if head.keeps_logits:
-                loss, flat_logits = head_loss_and_logits(hidden, weight, bias, target, *options)
+                loss, flat_logits = head_loss_and_logits(hidden, weight, bias, target, *options, gradients_in_forward)
                 logits = ltorch.reshape(flat_logits, head.logits.shape)
             else:
-                loss = head_loss(hidden, weight, bias, target, *options, in_forward)
+                loss = head_loss(hidden, weight, bias, target, *options, gradients_in_forward)
         new.pop_scope()
         swaps = {variableify(loss): ce.output}
         if head.keeps_logits:
