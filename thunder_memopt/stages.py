@@ -189,7 +189,7 @@ class FitPlanner:
 
     def _first_step(self, allocated_seen: bool) -> fit.FirstStep:
         """The first step's terms for the program compiled now (``fit.first_step``)."""
-        units = fit.fsdp2_units()
+        units = fit.fsdp2_units(self.parameters())
         # Under FSDP2 the modules' parameters are FSDP2's (or graph inputs, under torch.compile).
         own = {} if units else {id(p): p for p in self.parameters() if p.requires_grad}
         return fit.first_step(units, sum(p.numel() * p.element_size() for p in own.values()),

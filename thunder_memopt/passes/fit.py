@@ -79,7 +79,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -265,18 +265,26 @@ class Fsdp2Unit:
     signature: tuple  # its parameters' shapes and dtypes: units alike run one compiled program
 
 
-def fsdp2_units() -> tuple[Fsdp2Unit, ...]:
-    """The FSDP2 units of the model whose forward runs now (``fully_shard``), read from FSDP2's state;
-    where none runs, every unit of the process; () where there are none."""
+def fsdp2_units(parameters: Iterable[torch.Tensor] = ()) -> tuple[Fsdp2Unit, ...]:
+    """The FSDP2 units (``fully_shard``) of the model the program compiled now runs in, read from
+    FSDP2's state: the model whose root's forward runs now (under ``torch.compile`` each unit's graph
+    compiles inside it, its parameters graph inputs); else the units that hold any of ``parameters``
+    (the modules jitted with the transform); () where there are none. Other FSDP2 models alive in the
+    process are not the program's, and are not read."""
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     states = [s for ref in list(_module_state_mapping.values()) if isinstance(s := ref(), FSDPState)]
-    # The root whose forward runs (FSDP2 sets it at the root's pre-forward) knows its model's units.
+    # The roots whose forward runs (FSDP2 sets one at its pre-forward) know their models' units.
     roots = {id(root): root for s in states if (root := s._state_ctx.iter_forward_root) is not None}
-    if len(roots) == 1:
-        states = [s for s in next(iter(roots.values()))._state_ctx.all_states if isinstance(s, FSDPState)]
+    if roots:
+        states = [s for root in roots.values() for s in root._state_ctx.all_states if isinstance(s, FSDPState)]
+    else:
+        own = {id(p) for p in parameters}
+        states = [s for s in states if s._fsdp_param_group is not None
+                  and any(id(p.sharded_param) in own or id(getattr(p, "_unsharded_param", None)) in own
+                          for p in s._fsdp_param_group.fsdp_params)]
     units = []
     for state in states:
         group = state._fsdp_param_group
