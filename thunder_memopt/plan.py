@@ -166,9 +166,8 @@ def plan_step(config, block: Program, head: Program, *, n_layer: int, world_size
         block_shapes = [tuple(p.shape) for p in Block(config, block_idx=0).parameters()]
     embedding = [(config.padded_vocab_size, config.n_embd)]
     root = [(config.n_embd,), (config.padded_vocab_size, config.n_embd)]
-    # At one rank FSDP2 gathers nothing: its parameters are held once, as on one device (the rows of
-    # benchmarks/results at 1 and 8 ranks differ by 2.5 parameter sizes, not by 3.5).
-    fsdp2 = shard_mode != "none" and world_size > 1
+    # At one rank FSDP2 still gathers: its gathered parameters are copies of the shards.
+    fsdp2 = shard_mode != "none"
     n = world_size if fsdp2 else 1
     zero3 = shard_mode == "zero3"
 
@@ -180,41 +179,46 @@ def plan_step(config, block: Program, head: Program, *, n_layer: int, world_size
 
     batch = 2 * micro_batch_size * block_size * torch.int64.itemsize
 
-    def resident(running: str, program: Program) -> int:
+    def resident(running: str, program: Program) -> fit.StepTerms:
         """What the step holds beside the programs' own activations while ``program`` runs its backward:
-        its inputs, the first step's terms, the gradients of the units whose backward has run."""
+        its inputs and the first step's terms (the root's gradients whole; each other Block's
+        gathered parameters until its backward ends, then its gradient: ``fit.StepTerms``)."""
         us = units(running)
-        if fsdp2:  # with the gradients of the other Blocks (their shards) and the root's, whole
-            first = fit.first_step(us, 0, optimizer_states, states_made=False, allocated_seen=False).bytes
+        if fsdp2:
+            first = fit.first_step(us, 0, optimizer_states, states_made=False, allocated_seen=False)
+            held, gathered, call_gradient = first.bytes, first.call_gathered_bytes, first.call_gradient_bytes
         else:  # one device: the parameters whole, no gathered copies; the gradients as FSDP2's
             local = sum(u.sharded_bytes for u in us)
-            grads = sum(u.sharded_bytes for u in us[:-2] + us[-1:] if not u.running) if running == "block" else 0
-            first = optimizer_states * local + local - program.parameter_bytes + grads
-        return program.input_bytes + first + batch
+            block = running == "block"
+            held = optimizer_states * local + local - program.parameter_bytes + (us[-1].sharded_bytes if block else 0)
+            gathered, call_gradient = 0, us[0].sharded_bytes if block else 0
+        return fit.StepTerms(program.input_bytes + held + batch, calls=n_layer if running == "block" else 1,
+                             call_gathered_bytes=gathered, call_gradient_bytes=call_gradient)
 
     # The optimizer's step, as torch's foreach AdamW runs it: the shards, their gradients, the states,
     # and one temporary of the shards' size (torch.optim.adam._multi_tensor_adam's exp_avg_sq_sqrt).
     local = sum(u.sharded_bytes for u in units("none"))
     at_optimizer = local * (2 + optimizer_states + (optimizer_states > 0)) + batch
 
+    at_block, at_head = resident("block", block), resident("head", head)
+
     def peak(block_rung: int, head_rung: int | None) -> int:
         block_saved = block.rungs[block_rung].saved_bytes
-        at_block = resident("block", block) + (n_layer - 1) * block_saved + block.rungs[block_rung].pair_peak_bytes
         head_pair = head.default_pair_peak if head_rung is None else head.rungs[head_rung].pair_peak_bytes
-        return max(at_block, resident("head", head) + n_layer * block_saved + head_pair, at_optimizer)
+        return max(at_block.peak(block.rungs[block_rung]),
+                   at_head.static_bytes + n_layer * block_saved + head_pair, at_optimizer)
 
     settings = {f"thunder+memopt @{b:g}": peak(block.budget_rungs[b], None if b == 1.0 else head.budget_rungs[b])
                 for b in BUDGETS}
     # memory_limit: the Block's rung by the limit, the head's peak at each Block rung (its own rung by
     # the limit too) as the later program whose static term holds the Blocks' saved tensors.
-    terms = fit.StepTerms(static_bytes=resident("block", block), calls=n_layer)
     others = []
     for k in range(len(block.rungs)):
         saved = n_layer * block.rungs[k].saved_bytes
-        head_terms = fit.StepTerms(static_bytes=resident("head", head) + saved)
+        head_terms = fit.StepTerms(static_bytes=at_head.static_bytes + saved)
         others.append(max(fit.choose_by_limit(head.rungs, head_terms, limit_bytes).predicted_peak_bytes, at_optimizer))
-    choice = fit.choose_by_limit(block.rungs, terms, limit_bytes, others)
-    return StepPlan(settings, limit_bytes, choice, resident("block", block) - block.input_bytes)
+    choice = fit.choose_by_limit(block.rungs, at_block, limit_bytes, others)
+    return StepPlan(settings, limit_bytes, choice, at_block.static_bytes - block.input_bytes)
 
 
 def _device_memory(text: str) -> int:

@@ -197,8 +197,9 @@ class FitPlanner:
                               allocated_seen=allocated_seen)
 
     def _terms(self, key: tuple, saved: dict[tuple, int]) -> fit.StepTerms:
-        return fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes,
-                             self.first_steps[key].bytes)
+        first = self.first_steps[key]
+        return fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes, first.bytes,
+                             first.call_gathered_bytes, first.call_gradient_bytes)
 
     def _saved_per_call(self) -> dict[tuple, int]:
         """What each program planned so far saves per call at its rung."""
