@@ -145,7 +145,8 @@ def test_gpu_suite_fit_cap_runs_the_acceptance_rows(tmp_path):
     the limit of issue 51's acceptance, one invocation per T and per model."""
     record = tmp_path / "commands"
     stub = tmp_path / "python"
-    stub.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && echo eager && exit 0\nprintf "%q " "$@" >> {record}\necho >> {record}\n')
+    stub.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && echo eager && exit 0\n'
+                    f'printf "%q " "$@" >> {record}\necho >> {record}\n')
     stub.chmod(0o755)
     env = {**os.environ, "PYTHON": str(stub), "GPU_TAG": "1xH100"}
     subprocess.run(["bash", str(REPOSITORY / "benchmarks/gpu_suite.sh"), "fit-cap", str(tmp_path / "out")],
