@@ -41,6 +41,13 @@
 #   fit-sc32        one GPU, FSDP2 with one rank, stablecode 32 layers, zero2, in-graph loss, T=FIT_T (default
 #                   8192) in one invocation: thunder+memopt at budgets 1.0, 0.5 and 0.0, thunder+memopt-offload at
 #                   1.0 and 0.0, and thunder+memopt-fit at a memory limit of 40 GiB (issue 35's acceptance)
+#   fit-cap         one GPU, each rank's allocator capped (--memory-cap: set_per_process_memory_fraction), so that
+#                   a setting that needs more is an OOM row, as on a card of that size (issue 51's acceptance), one
+#                   invocation per setup, each holding the fit row and the manual settings: thunder+memopt at
+#                   budgets 1.0, 0.5 and 0.0, thunder+memopt-offload at 1.0 and 0.0, and thunder+memopt-fit with
+#                   its limit at the cap; stablecode 32 layers, FSDP2 one rank, zero2, cap 40 GiB, at each T of
+#                   FIT_CAP_T (default "16384 32768"); then SIMULATED rank 0 of 8, Llama-3-8B 32 layers, zero2,
+#                   T=8192, cap 45 GiB, inductor too. Several chunks of --time-limit: rerun until it exits 0
 #   sc32-long       one GPU, FSDP2 with one rank, stablecode 32 layers, T=131072: eager-ac against
 #                   thunder+memopt-offload at budget 0.0, one warm-up and two measured steps each
 #   llama3-8b-fused one GPU, FSDP2 with one rank, Llama-3-8B, 4 layers, T=8192, AdamW fused (--optimizer fused:
@@ -109,6 +116,7 @@ PYTHON=${PYTHON:-python}
 TIME_LIMIT_MIN=${TIME_LIMIT_MIN:-9}
 LOG_DIR=${LOG_DIR:-}
 FIT_T=${FIT_T:-8192}  # the block size of group fit-sc32
+FIT_CAP_T=${FIT_CAP_T:-16384 32768}  # the block sizes of group fit-cap's stablecode rows
 
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -262,6 +270,19 @@ case "$GROUP" in
             --compile thunder+memopt thunder+memopt-offload thunder+memopt-fit \
             --memopt-budget 1.0 0.5 0.0 --offload-budget 1.0 0.0 --memory-limit 40 \
             --out "$OUT/stablecode_32l_zero2_1xH200_T${FIT_T}_fit40.jsonl" ;;
+    fit-cap)
+        # The manual settings and the fit at the cap's limit: which run under the cap, and how fast.
+        memopt=(thunder+memopt thunder+memopt-offload thunder+memopt-fit)
+        budgets=(--memopt-budget 1.0 0.5 0.0 --offload-budget 1.0 0.0)
+        for t in $FIT_CAP_T; do
+            CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
+                --block-size "$t" --shard-mode zero2 --loss-mode in-graph --compile "${memopt[@]}" "${budgets[@]}" \
+                --memory-limit 40 --memory-cap 40 \
+                --out "$OUT/stablecode_32l_zero2_${GPU_TAG:-$(gpu_tag)}_T${t}_cap40.jsonl"
+        done
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
+            --compile inductor "${memopt[@]}" "${budgets[@]}" --memory-limit 45 --memory-cap 45 \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_${GPU_TAG:-$(gpu_tag)}_T8192_cap45.jsonl" ;;
     sc32-long)
         # One long run in one invocation: full checkpointing against the offload setting at T=131072.
         CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \

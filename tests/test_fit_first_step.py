@@ -31,10 +31,8 @@ TOLERANCE = 0.10
 
 @pytest.fixture(scope="module", autouse=True)
 def _sharded_models_released() -> Iterator[None]:
-    """The FSDP2 models of this file gone when it ends: ``fit.fsdp2_units`` reads every FSDP2 unit
-    alive in the process where no root's forward runs, so a later file's plain ``thunder.jit``
-    program would be planned with these units (tests/test_fit_refusal.py's was, run after this file
-    in one process)."""
+    """The FSDP2 models of this file, their AdamW states and dynamo's graphs of them released when
+    it ends, for the files run after it in one process."""
     yield
     _run.cache_clear()
     torch._dynamo.reset()

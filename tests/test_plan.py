@@ -38,9 +38,9 @@ def _measured() -> int:
 
 
 def test_the_plan_predicts_a_cpu_steps_peak(fake_group):
-    config, block, head = plan.trace_programs(NAME, n_embd=N_EMBD, block_size=T, micro_batch_size=1,
+    layout, block, head = plan.trace_programs(NAME, n_embd=N_EMBD, block_size=T, micro_batch_size=1,
                                               dtype=torch.float32, gpu=False)
-    predicted = plan.plan_step(config, block, head, n_layer=CONFIG.n_layer, world_size=WORLD_SIZE, shard_mode="zero2",
+    predicted = plan.plan_step(layout, block, head, n_layer=CONFIG.n_layer, world_size=WORLD_SIZE, shard_mode="zero2",
                                micro_batch_size=1, block_size=T, dtype=torch.float32, optimizer_states=2,
                                limit_bytes=1 << 40)
     measured = _measured()

@@ -189,7 +189,7 @@ class FitPlanner:
 
     def _first_step(self, allocated_seen: bool) -> fit.FirstStep:
         """The first step's terms for the program compiled now (``fit.first_step``)."""
-        units = fit.fsdp2_units()
+        units = fit.fsdp2_units(self.parameters())
         # Under FSDP2 the modules' parameters are FSDP2's (or graph inputs, under torch.compile).
         own = {} if units else {id(p): p for p in self.parameters() if p.requires_grad}
         return fit.first_step(units, sum(p.numel() * p.element_size() for p in own.values()),
@@ -197,8 +197,9 @@ class FitPlanner:
                               allocated_seen=allocated_seen)
 
     def _terms(self, key: tuple, saved: dict[tuple, int]) -> fit.StepTerms:
-        return fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes,
-                             self.first_steps[key].bytes)
+        first = self.first_steps[key]
+        return fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes, first.bytes,
+                             first.call_gathered_bytes, first.call_gradient_bytes)
 
     def _saved_per_call(self) -> dict[tuple, int]:
         """What each program planned so far saves per call at its rung."""

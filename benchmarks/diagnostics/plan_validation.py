@@ -58,8 +58,8 @@ def main() -> None:
         if key not in traced:
             traced[key] = trace_programs(row["model"], n_embd=None, block_size=row["block_size"],
                                          micro_batch_size=row["micro_batch_size"], dtype=torch.bfloat16)
-        config, block, head = traced[key]
-        plan = plan_step(config, block, head, n_layer=row["n_layer"], world_size=row["world_size"],
+        layout, block, head = traced[key]
+        plan = plan_step(layout, block, head, n_layer=row["n_layer"], world_size=row["world_size"],
                          shard_mode=row["shard_mode"], micro_batch_size=row["micro_batch_size"],
                          block_size=row["block_size"], dtype=torch.bfloat16, optimizer_states=2, limit_bytes=1 << 50)
         name = f"thunder+memopt @{row['budget']:g}"

@@ -334,6 +334,8 @@ def describe_trial(trial: Trial) -> str:
     if numerics.optimizer != FIELD_DEFAULTS["optimizer"]:
         options += f" optimizer={numerics.optimizer}"
     ranks = f"simulated world size {sharding.world_size}" if sharding.simulated else f"world size {sharding.world_size}"
+    if trial.measurement.memory_cap_gib is not None:
+        ranks += f", memory cap {trial.measurement.memory_cap_gib:g} GiB"
     source = "transformers " if workload.model_source == TRANSFORMERS_SOURCE else ""
     return (f"{compilation.backend}{options} T={workload.block_size} ({source}{workload.model}, "
             f"{workload.n_layer} layers, {sharding_of(trial.key())}, {ranks})")

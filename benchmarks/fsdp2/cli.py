@@ -58,6 +58,17 @@ def memory_limit_gib(text: str) -> float | str:
     return value
 
 
+def memory_cap_gib(text: str) -> float:
+    """A --memory-cap value: GiB, a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory cap: GiB (a number above 0)") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise argparse.ArgumentTypeError(f"a memory cap in GiB must be a finite number above 0, got {text}")
+    return value
+
+
 # How each kind of budget flag reads its values (backends.Budgets.kind).
 BUDGET_TYPES = {backends.FRACTION: fraction, backends.MEMORY: memory_limit_gib}
 
@@ -155,6 +166,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     measure = parser.add_argument_group("measurement")
     measure.add_argument("--warmup", type=positive_int, default=2, help="steps before the peaks are reset (the first compiles)")
     measure.add_argument("--iters", type=positive_int, default=5, help="measured steps")
+    measure.add_argument("--memory-cap", type=memory_cap_gib, metavar="GIB",
+                         help="each rank's CUDA caching allocator may reserve at most GIB GiB (2**30 bytes): "
+                              "torch.cuda.set_per_process_memory_fraction(cap / the device's total), set in the "
+                              "row's fresh processes before anything is allocated, so that a step that needs more "
+                              "is an OOM row, as on a card of that size (default: the whole device)")
     measure.add_argument("--profile", action="store_true", help="torch.profiler summary of the measured steps")
     measure.add_argument("--first-step-profile", action="store_true",
                          help="cProfile over the first step (compilation included): its functions by "
@@ -240,8 +256,10 @@ def check_simulation(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         args.bus_bandwidth = step_model.NVLINK_BUS_GBPS
 
 
-def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool) -> None:
-    """Defaults that depend on the machine: without a GPU, a narrowed model and a short sequence."""
+def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, cuda: bool,
+                     device_bytes: int | None = None) -> None:
+    """Defaults that depend on the machine: without a GPU, a narrowed model and a short sequence;
+    and what needs a GPU of ``device_bytes`` (GPU 0's total memory, where known)."""
     if args.n_embd is None and not cuda:
         args.n_embd = CPU_DEFAULT_N_EMBD
     if args.block_size is None:
@@ -257,6 +275,12 @@ def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     if limits and not cuda:
         parser.error(f"{limits[0].flag} {backends.AUTO} is what a CUDA device allows, and there is none: "
                      "give the limit in GiB")
+    if args.memory_cap is not None:
+        if not cuda:
+            parser.error(f"--memory-cap {args.memory_cap:g} caps a CUDA device's memory, and there is none")
+        if device_bytes is not None and args.memory_cap * backends.GIB > device_bytes:
+            parser.error(f"--memory-cap {args.memory_cap:g} GiB is more than the device's "
+                         f"{device_bytes / backends.GIB:.2f} GiB")
     if args.find_max_block_size and args.block_size[0] % args.search_granularity:
         parser.error(f"--block-size {args.block_size[0]} (the search's start) must be a multiple of "
                      "--search-granularity")
@@ -278,7 +302,7 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                                 fusion=args.fusion, head_gradients=args.memopt_head_gradients,
                                 over_limit=args.memopt_over_limit),
         measurement=Measurement(warmup=args.warmup, iters=args.iters, profile=args.profile,
-                                first_step_profile=args.first_step_profile),
+                                first_step_profile=args.first_step_profile, memory_cap_gib=args.memory_cap),
     )
 
 
@@ -320,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # under torchrun, rank 0 drives; the trials start their own ranks
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc_per_node))
     environment = driver.describe_environment()
-    resolve_defaults(args, parser, environment["cuda"])
+    resolve_defaults(args, parser, environment["cuda"], environment["gpu_memory_bytes"])
     out = Path(args.out)
     settings = driver.DriverSettings(out=out, log_dir=Path(args.log_dir) if args.log_dir else out.with_suffix(".logs"),
                                      resume=args.resume, time_limit_min=args.time_limit,

@@ -46,7 +46,8 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 # Querying the GPU creates a CUDA context; done in a child so the long-lived driver holds no GPU memory.
 ENVIRONMENT_PROBE = (
     "import json, torch; cuda = torch.cuda.is_available(); "
-    "print(json.dumps({'cuda': cuda, 'gpu': torch.cuda.get_device_name(0) if cuda else 'cpu'}))"
+    "print(json.dumps({'cuda': cuda, 'gpu': torch.cuda.get_device_name(0) if cuda else 'cpu', "
+    "'gpu_memory_bytes': torch.cuda.get_device_properties(0).total_memory if cuda else None}))"
 )
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -96,6 +97,7 @@ def describe_environment() -> dict[str, Any]:
     return {
         "cuda": found["cuda"],
         "gpu": found["gpu"],
+        "gpu_memory_bytes": found["gpu_memory_bytes"],  # GPU 0's total: what --memory-cap is a fraction of
         "torch": importlib.metadata.version("torch"),
         "thunder": importlib.metadata.version("lightning-thunder"),
         "litgpt": importlib.metadata.version("litgpt"),

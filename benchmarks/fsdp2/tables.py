@@ -33,11 +33,12 @@ from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, S
 # order in the headings and plot titles.
 CONFIG_FIELDS = ("model", "model_source", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype",
                  "distributed_mode", "shard_mode", "head_unit", "autocast", "loss_mode", "optimizer", "world_size",
-                 "simulated", "gpu")
+                 "simulated", "gpu", "memory_cap_gib")
 SETTING_NAMES = {"model": "", "model_source": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=",
                  "micro_batch_size": "B=", "dtype": "", "distributed_mode": "", "shard_mode": "",
                  "head_unit": "head unit=", "autocast": "autocast=", "loss_mode": "loss=", "optimizer": "AdamW ",
-                 "world_size": "ranks=", "simulated": "simulated=", "gpu": "", "block_size": "T="}
+                 "world_size": "ranks=", "simulated": "simulated=", "gpu": "", "memory_cap_gib": "cap GiB=",
+                 "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
 MB = 10**6  # memory per token is in decimal megabytes, as the issues quote it
@@ -102,10 +103,12 @@ def heading(row: dict) -> str:
 
 
 def ranks_of(row: dict) -> str:
-    """``2 × NVIDIA H200``, or for a simulated row, that it is rank 0 of N simulated on one device."""
+    """``2 × NVIDIA H200``, or for a simulated row, that it is rank 0 of N simulated on one device;
+    with the --memory-cap of each device, where one was set."""
+    cap = "" if row.get("memory_cap_gib") is None else f" capped at {row['memory_cap_gib']:g} GiB"
     if field_value(row, "simulated"):
-        return f"SIMULATED: rank 0 of {row['world_size']} on 1 × {row['gpu']} (fake process group)"
-    return f"{row['world_size']} × {row['gpu']}"
+        return f"SIMULATED: rank 0 of {row['world_size']} on 1 × {row['gpu']}{cap} (fake process group)"
+    return f"{row['world_size']} × {row['gpu']}{cap}"
 
 
 def saved_mib(row: dict) -> str:

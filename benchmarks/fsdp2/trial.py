@@ -128,6 +128,10 @@ class Measurement:
     profile: bool = False
     memory_snapshot: str | None = None  # rank 0's allocator snapshot goes to this path
     first_step_profile: bool = False  # cProfile over the first step (compilation included)
+    # --memory-cap: torch's caching allocator may reserve at most this many GiB on each rank's device
+    # (torch.cuda.set_per_process_memory_fraction, set before anything is allocated), so that a step
+    # that needs more fails as on a card of that size; None: the whole device.
+    memory_cap_gib: float | None = None
 
 
 # Fields that record more about a measurement without changing it: not part of a row's key (a row's

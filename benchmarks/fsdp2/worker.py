@@ -398,11 +398,26 @@ def build_trial_model(trial: Trial, device: torch.device) -> tuple[Any, torch.nn
                                device="meta" if trial.sharding.simulated else device)
 
 
+def cap_device_memory(cap_gib: float | None, device: torch.device) -> int | None:
+    """--memory-cap: torch's caching allocator on the CUDA ``device`` may reserve at most ``cap_gib``
+    GiB (``set_per_process_memory_fraction`` of the device's total); past it an allocation frees the
+    cached blocks and retries, then raises torch.OutOfMemoryError, as on a card of that size. The
+    CUDA context's and NCCL's memory are outside the cap. The cap in bytes, or None."""
+    if cap_gib is None:
+        return None
+    cap, total = int(cap_gib * 2**30), torch.cuda.get_device_properties(device).total_memory
+    if cap > total:
+        raise ValueError(f"--memory-cap {cap_gib:g} GiB is more than the device's {total / 2**30:.2f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap
+
+
 def init_distributed(trial: Trial) -> tuple[int, torch.device]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        cap_device_memory(trial.measurement.memory_cap_gib, device)  # before anything is allocated
     else:
         device = torch.device("cpu")
     if trial.sharding.distributed_mode == "none":
@@ -419,6 +434,11 @@ def init_distributed(trial: Trial) -> tuple[int, torch.device]:
 def is_out_of_memory(error: BaseException) -> bool:
     # Fusers and collectives can re-raise an allocator failure as a RuntimeError.
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def one_line(message: str) -> str:
+    """A failure's message as the row's one line: its lines joined with " | "."""
+    return " | ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -453,7 +473,7 @@ def reporting_failure(out_dir: Path, rank: int, phase: str) -> Iterator[None]:
     except Exception as error:
         traceback.print_exc()
         status = "OOM" if is_out_of_memory(error) else "error"
-        message = f"{type(error).__name__}: {error}"[:ERROR_MESSAGE_CHARS]
+        message = one_line(f"{type(error).__name__}: {error}")[:ERROR_MESSAGE_CHARS]
         write_json(out_dir / failure_file(rank), {"status": status, "error": message, "phase": phase})
         leave(1)
 

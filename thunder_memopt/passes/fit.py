@@ -12,7 +12,7 @@ and what to change (``refusal``); "lowest", the lowest predicted peak, with one 
 
 The whole step's predicted peak, for one rung of one program (``StepTerms.peak``)::
 
-    static + first_step + (calls - 1) * saved + pair_peak + margin
+    static + first_step + (calls - 1) * max(saved + call_gathered, call_gradient) + pair_peak + margin
 
 - ``static``: what is resident before the program runs and stays through the step. On CUDA,
   ``torch.cuda.memory_allocated`` at the program's first compile, which is exact for what exists
@@ -29,14 +29,17 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   two, in the parameters' dtype), made at its first step, over the parameters of the modules jitted
   with the transform or FSDP2's local shards; and, from FSDP2's state (``fsdp2_units``), the
   gathered parameters of the units that hold them at the peak less those gathered by the compile
-  (on CPU, where the static term is the program's inputs, the local shards too); and the gradients
-  of the units whose backward ran before the peak (the other units alike the running one, their
-  shards; the root's, whole until the backward ends). Not counted: FSDP2's
+  (on CPU, where the static term is the program's inputs, the local shards too), the other calls'
+  units apart; and the root's gradients, whole until the backward ends. Not counted: FSDP2's
   reduce-scatter buffers (one in flight, after a unit's backward, when its saved tensors are freed)
   and the optimizer step's own temporaries. The check after a step stays as a guard.
 - ``saved``: the bytes one call of the program saves for its backward at this rung (storages,
   parameters excluded: ``RecomputePlan.saved_bytes_after``). The other ``calls - 1`` calls of the
-  same program in a step hold theirs while the last call's backward runs.
+  same program in a step hold theirs until their backward runs, with their FSDP2 unit's gathered
+  parameters where it keeps them after the forward (zero2: ``call_gathered``), and after it their
+  unit's gradient shard (``call_gradient``), its gathered parameters freed (``FirstStep``): at the
+  k-th backward of the calls, k gradients and ``calls - 1 - k`` calls' saved tensors and gathered
+  parameters, whose largest is at the first or the last.
 - ``calls``: how many times the program runs per step. At its first compile, under FSDP2, the
   units alike the one whose forward runs (their parameters' shapes and dtypes: the Blocks); else 1,
   which is exact under ``thunder.jit`` (the model is one program). ``MemoryOptimization.check_fit``
@@ -79,7 +82,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -244,10 +247,15 @@ class StepTerms:
     margin_bytes: int = 0
     # What the step holds at its peak that is not allocated at the first compile (``FirstStep``).
     first_step_bytes: int = 0
+    # What each other call's unit holds before its backward beside the saved tensors (its gathered
+    # parameters), and after it (its gradient): ``FirstStep``.
+    call_gathered_bytes: int = 0
+    call_gradient_bytes: int = 0
 
     def peak(self, rung: RungCost) -> int:
         """The whole step's predicted peak at ``rung``."""
-        return (self.static_bytes + self.first_step_bytes + (self.calls - 1) * rung.saved_bytes
+        return (self.static_bytes + self.first_step_bytes
+                + (self.calls - 1) * max(rung.saved_bytes + self.call_gathered_bytes, self.call_gradient_bytes)
                 + rung.pair_peak_bytes + self.margin_bytes)
 
 
@@ -265,18 +273,26 @@ class Fsdp2Unit:
     signature: tuple  # its parameters' shapes and dtypes: units alike run one compiled program
 
 
-def fsdp2_units() -> tuple[Fsdp2Unit, ...]:
-    """The FSDP2 units of the model whose forward runs now (``fully_shard``), read from FSDP2's state;
-    where none runs, every unit of the process; () where there are none."""
+def fsdp2_units(parameters: Iterable[torch.Tensor] = ()) -> tuple[Fsdp2Unit, ...]:
+    """The FSDP2 units (``fully_shard``) of the model the program compiled now runs in, read from
+    FSDP2's state: the model whose root's forward runs now (under ``torch.compile`` each unit's graph
+    compiles inside it, its parameters graph inputs); else the units that hold any of ``parameters``
+    (the modules jitted with the transform); () where there are none. Other FSDP2 models alive in the
+    process are not the program's, and are not read."""
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     states = [s for ref in list(_module_state_mapping.values()) if isinstance(s := ref(), FSDPState)]
-    # The root whose forward runs (FSDP2 sets it at the root's pre-forward) knows its model's units.
+    # The roots whose forward runs (FSDP2 sets one at its pre-forward) know their models' units.
     roots = {id(root): root for s in states if (root := s._state_ctx.iter_forward_root) is not None}
-    if len(roots) == 1:
-        states = [s for s in next(iter(roots.values()))._state_ctx.all_states if isinstance(s, FSDPState)]
+    if roots:
+        states = [s for root in roots.values() for s in root._state_ctx.all_states if isinstance(s, FSDPState)]
+    else:
+        own = {id(p) for p in parameters}
+        states = [s for s in states if s._fsdp_param_group is not None
+                  and any(id(p.sharded_param) in own or id(getattr(p, "_unsharded_param", None)) in own
+                          for p in s._fsdp_param_group.fsdp_params)]
     units = []
     for state in states:
         group = state._fsdp_param_group
@@ -303,17 +319,23 @@ def fsdp2_units() -> tuple[Fsdp2Unit, ...]:
 class FirstStep:
     """What the step holds at its peak and the first compile does not see allocated: the optimizer's
     states, made at its first step, and FSDP2's buffers allocated after the compile. The peak is
-    taken where the existing terms put it, in the backward of the last unit's program, with every
-    call's saved tensors alive: there, under FSDP2, every unit that keeps its parameters after the
-    forward (zero2, and the root) holds them unsharded, and of those resharded after the forward
-    (zero3), the unit in its backward and the one prefetched."""
+    taken where the existing terms put it, in the backward of a unit's program, with the other
+    calls' saved tensors or their units' gradients alive (``StepTerms.peak``): there, under FSDP2,
+    every unit that keeps its parameters after the forward (zero2, and the root) holds them
+    unsharded until its backward ends, and of those resharded after the forward (zero3), the unit
+    in its backward and the one prefetched. At one rank the gathered parameters are copies of the
+    shards too (FSDP2's ``wait_for_unshard`` copies them)."""
 
     optimizer_state_bytes: int
     fsdp2_bytes: int
     calls: int  # the calls per step of the program compiled now: the FSDP2 units alike the running one
-    # The gradients of the units whose backward ran before the peak: the other units alike the
-    # running one, reduce-scattered to their shards, and the root's, whole until the backward ends.
+    # The root's gradients, whole until the backward ends.
     gradient_bytes: int = 0
+    # Of one other unit alike the running one (each of the other calls: ``StepTerms``): its gathered
+    # parameters, kept from its forward to the end of its backward (zero2), and then its gradient,
+    # reduce-scattered to its shard.
+    call_gathered_bytes: int = 0
+    call_gradient_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -330,20 +352,23 @@ def first_step(units: Sequence[Fsdp2Unit], optimized_bytes: int, optimizer_state
     hold the running unit's gathered parameters only."""
     optimized = optimized_bytes + sum(u.optimized_bytes for u in units)
     states = 0 if states_made else optimizer_states * optimized
-    kept = sum(u.unsharded_bytes for u in units if u.root or not u.reshard_after_forward)
+    running = [u for u in units if u.running and not u.root] or [u for u in units if u.running]
+    own = running[-1].signature if running and not running[-1].root else None
+    # The other calls' units that keep their gathered parameters: per call, in StepTerms.
+    per_call = {id(u) for u in units if own is not None and u.signature == own and u is not running[-1]
+                and not u.reshard_after_forward}
+    kept = sum(u.unsharded_bytes for u in units if (u.root or not u.reshard_after_forward) and id(u) not in per_call)
     resharded = sorted((u.unsharded_bytes for u in units if not u.root and u.reshard_after_forward), reverse=True)
     at_peak = kept + sum(resharded[:2])
-    running = [u for u in units if u.running and not u.root] or [u for u in units if u.running]
     if allocated_seen:
         fsdp2 = max(0, at_peak - sum(u.unsharded_now for u in units))
     else:
         fsdp2 = sum(u.sharded_bytes for u in units) + max(0, at_peak - sum(u.unsharded_bytes for u in running[-1:]))
-    own = running[-1].signature if running and not running[-1].root else None
     calls = sum(u.signature == own for u in units) if own is not None else 1
-    gradients = 0 if own is None else (
-        sum(u.optimized_bytes for u in units if u.signature == own and u is not running[-1])
-        + sum(u.unsharded_bytes for u in units if u.root and u.optimized_bytes))
-    return FirstStep(optimizer_state_bytes=states, fsdp2_bytes=fsdp2, calls=calls, gradient_bytes=gradients)
+    gradients = 0 if own is None else sum(u.unsharded_bytes for u in units if u.root and u.optimized_bytes)
+    return FirstStep(optimizer_state_bytes=states, fsdp2_bytes=fsdp2, calls=calls, gradient_bytes=gradients,
+                     call_gathered_bytes=running[-1].unsharded_bytes if per_call else 0,
+                     call_gradient_bytes=0 if own is None else running[-1].optimized_bytes)
 
 
 @dataclass(frozen=True)
