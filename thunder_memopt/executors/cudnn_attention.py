@@ -24,6 +24,7 @@ budget 1.0.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import thunder.core.dtypes as dtypes
@@ -100,12 +101,43 @@ def cudnn_supports(query, key, value, attn_mask=None, dropout_p: float = 0.0, is
     return True
 
 
+class _BiasOfMask:
+    """The additive bias of each boolean mask alive, made once while the mask is unchanged.
+
+    Every layer's attention, forward and backward, reads the one mask the model made for the step,
+    so one conversion serves them all; each op converting its own made 8 T x T passes a step for a
+    4-layer model (benchmarks/results/hf_phi_3_mini_4l_none_1xH100_T8192_profile.md). A bias lives
+    as long as its mask (a weak reference drops it), and is made again if the mask is written."""
+
+    def __init__(self) -> None:
+        self._biases: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def __call__(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.device, dtype)
+        held = self._biases.get(key)
+        if held is not None and held[0]() is not None and held[1] == mask._version:
+            return held[2]
+        # 0-d operands of the query's dtype: one pass, no fp32 copy, and the bits of torch's
+        # where(mask, 0.0, _MASKED_BIAS).to(dtype).
+        zero, masked = (torch.tensor(v, dtype=dtype, device=mask.device) for v in (0.0, _MASKED_BIAS))
+        bias = torch.where(mask, zero, masked)
+        self._biases[key] = (weakref.ref(mask, lambda _: self._biases.pop(key, None)), mask._version, bias)
+        return bias
+
+    def __len__(self) -> int:
+        return len(self._biases)
+
+
+_bias_of_mask = _BiasOfMask()
+
+
 def _additive_bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """The mask as cuDNN takes it: a boolean one as torch's SDPA makes it for cuDNN (0 where True,
-    _MASKED_BIAS where False, in the query's dtype); an additive one as it is."""
+    _MASKED_BIAS where False, in the query's dtype), once per mask (_BiasOfMask); an additive one
+    as it is."""
     if attn_mask is None or attn_mask.dtype != torch.bool:
         return attn_mask
-    return torch.where(attn_mask, 0.0, _MASKED_BIAS).to(dtype)
+    return _bias_of_mask(attn_mask, dtype)
 
 
 def _forward_meta(query: TensorProxy, key: TensorProxy, value: TensorProxy, attn_mask, is_causal: bool,
