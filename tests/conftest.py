@@ -12,21 +12,26 @@ is sorted by SECONDS, longest first, a file not listed there taking DEFAULT_SECO
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import _faster_tracing
+
+_faster_tracing.apply()  # before anything imports torch's inductor config
+
 # Seconds of each work unit (with the files grouped with it) in a worker of `make test`: the
 # setup, call and teardown times of its tests in a run's JUnit XML (--junitxml), summed (a quiet
 # 2-core machine, 2026-12-06, commit 6c478ad: 824 s in all). A file not listed takes
-# DEFAULT_SECONDS, about the median unit's.
+# DEFAULT_SECONDS, about the median unit's. test_recompute.py's, test_loss_head.py's and
+# test_collectives.py's scaled by their -n 0 times with tests/_faster_tracing.py against without
+# it, each pair run side by side (2026-12-06: 283.6 s / 315.5 s, 235.7 s / 250.4 s, 185.2 s / 203.5 s).
 SECONDS = {
-    "test_recompute.py": 375.0,
-    "test_loss_head.py": 216.0,
-    "test_collectives.py": 148.0,
+    "test_recompute.py": 337.0,
+    "test_loss_head.py": 203.0,
+    "test_collectives.py": 135.0,
     "test_fusion.py": 92.0,
     "test_benchmark_smoke.py": 79.0,
     "test_donate.py": 55.0,
@@ -89,30 +94,6 @@ def _one_share_of_the_cores_per_worker() -> None:
 
 
 _one_share_of_the_cores_per_worker()
-
-
-def _decode_each_code_object_once() -> None:
-    """Thunder's interpreter decodes a function's bytecode (``dis.get_instructions``) at every call
-    it interprets: 235,571 decodings in one step of a 2-layer Llama. A code object's instructions
-    never change, so the tests' processes decode each once and keep the tuple Thunder would build:
-    7.6 s to 7.1 s for that step on this 2-core machine."""
-    import dis
-
-    import thunder.core.interpreter as interpreter
-
-    class _OnceDis:
-        def __getattr__(self, name: str):
-            return getattr(dis, name)
-
-        @staticmethod
-        @functools.cache
-        def get_instructions(code) -> tuple:
-            return tuple(dis.get_instructions(code))
-
-    interpreter.dis = _OnceDis()
-
-
-_decode_each_code_object_once()
 
 
 def pytest_collection_modifyitems(items) -> None:

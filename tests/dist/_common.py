@@ -1,13 +1,20 @@
-"""What both torchrun workers share: the cross-rank gradient comparison and the rank-0 JSON report."""
+"""What the torchrun workers share: the cross-rank gradient comparison, the rank-0 JSON report, and
+the process settings of tests/_faster_tracing.py (applied on import)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+import _faster_tracing  # noqa: E402
+
+_faster_tracing.apply()
 
 
 def max_grad_diff(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
