@@ -172,10 +172,19 @@ KNOWN = {
     "dbrx": "plain ThunderCompiler() crashes alike: Thunder's",
     "blt": "Thunder's automatic torch fallback fails to register unfold: Thunder's",
     # Checked on 2026-12-06 with this script's model (2 layers, 2 x 32 tokens, 2 steps).
-    **dict.fromkeys(("mixtral", "mellum", "solar_open"), "plain ThunderCompiler() mismatches alike, with the "
-                    "same errors (the MoE router gate's gradient): Thunder's"),
+    **dict.fromkeys(("mixtral", "mellum", "solar_open", "exaone_moe", "glm4_moe", "hunyuan_v1_moe", "minimax",
+                     "mimo_v2_flash", "nemotron_h"),
+                    "plain ThunderCompiler() mismatches alike, with the same errors (the MoE router gate's "
+                    "gradient): Thunder's"),
+    **dict.fromkeys(("minimax_m2", "minimax_m3_vl_text"),
+                    "the MoE router gate's gradient at step 1, as the models above, where plain ThunderCompiler() "
+                    "mismatches alike; not run under plain ThunderCompiler() here"),
+    "hy_v4": "plain ThunderCompiler() crashes alike (expand: the requested shape has too few dimensions): Thunder's",
+    "olmo_hybrid": "torch.eye, as qwen3_5_text, where plain ThunderCompiler() crashes alike; not run under plain "
+                   "ThunderCompiler() here",
     **dict.fromkeys(("ctrl", "llama4_text"), "plain ThunderCompiler() mismatches alike, with the same errors: "
                     "Thunder's"),
+    "cpmant": "plain ThunderCompiler() mismatches alike (step 2, a layernorm weight's gradient, 1.2e-3): Thunder's",
     "phimoe": "not explained: step 1 matches (6e-7), step 2's router gradient does not; plain ThunderCompiler() "
               "cannot run it (its router's autograd.Function, which this backend hands to inductor)",
     "deepseek_v4": "not explained (also over 600 s in a loaded run)",
@@ -184,7 +193,7 @@ KNOWN = {
                     "which Thunder does not trace): Thunder's",
     "deepseek_v3": "plain ThunderCompiler() crashes alike, in Thunder's insert_alias_updates (graph inputs that "
                    "view one storage at different sizes): Thunder's",
-    **dict.fromkeys(("deepseek_v2", "axk1", "glm4_moe_lite", "youtu", "minicpm3"),
+    **dict.fromkeys(("deepseek_v2", "axk1", "glm4_moe_lite", "youtu", "minicpm3", "glm_moe_dsa", "longcat_flash"),
                     "deepseek_v3's error, which plain ThunderCompiler() gives alike there; not run under plain "
                     "ThunderCompiler() here"),
     **dict.fromkeys(("gpt2", "gpt-sw3"), "head not fused: dynamo breaks the graph at the loss (transformers "
