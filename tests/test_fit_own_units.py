@@ -10,23 +10,14 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from _fsdp2 import fake_group  # noqa: F401 (a fixture)
+from test_fit_refusal import _Block, _inputs
 from thunder_memopt import MemoryOptimization
 from thunder_memopt.passes import fit
 
 
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))).square().mean()
-
-
 def _plan() -> fit.FitChoice:
     """The Block's plan under a limit it fits, from its first step."""
-    torch.manual_seed(0)
-    block, x = _Block(), torch.randn(32, 64, requires_grad=True)
+    block, x = _inputs()
     memopt = MemoryOptimization(memory_limit=1 << 40)
     thunder.jit(block, transforms=[memopt])(x).backward()
     (choice,) = memopt.fit_report.choices

@@ -45,28 +45,28 @@ MODEL_NAMES = {"litgpt": (litgpt_model_name, "stablecode-completion-alpha-3b"),
                TRANSFORMERS_SOURCE: (hf_models.model_name, "Llama-3-8B")}
 
 
+def _gib(text: str, what: str, forms: str) -> float:
+    """``text`` as GiB, a finite number above 0; ``what`` names the flag's value in the error, and
+    ``forms`` the values it takes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {what}: {forms}") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise argparse.ArgumentTypeError(f"a {what} in GiB must be a finite number above 0, got {text}")
+    return value
+
+
 def memory_limit_gib(text: str) -> float | str:
     """A --memory-limit value: GiB (a finite number above 0) or ``auto``."""
     if text == backends.AUTO:
         return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory limit: GiB (a number above 0) or auto") from None
-    if not (math.isfinite(value) and value > 0.0):
-        raise argparse.ArgumentTypeError(f"a memory limit in GiB must be a finite number above 0, got {text}")
-    return value
+    return _gib(text, "memory limit", "GiB (a number above 0) or auto")
 
 
 def memory_cap_gib(text: str) -> float:
     """A --memory-cap value: GiB, a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory cap: GiB (a number above 0)") from None
-    if not (math.isfinite(value) and value > 0.0):
-        raise argparse.ArgumentTypeError(f"a memory cap in GiB must be a finite number above 0, got {text}")
-    return value
+    return _gib(text, "memory cap", "GiB (a number above 0)")
 
 
 # How each kind of budget flag reads its values (backends.Budgets.kind).
