@@ -496,12 +496,11 @@ def _grad_and_logits(hidden, weight, bias, targets, ignore_index, reduction, chu
                                                                        out_dtype)
         grads = head_scale_with_logits_grad(get_grad(loss), get_grad(logits), hidden, weight, bias, targets, lse,
                                             *options, *unit)
-        _put_head_grads(hidden, weight, bias, grads)
-        return loss, logits
-    loss, logits, lse = head_forward_and_logits(hidden, weight, bias, targets, *options, out_dtype)
-    # The backward recomputes the logits (saving them would keep tokens x vocab until it runs), and
-    # adds their own gradient.
-    grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, *options, get_grad(logits))
+    else:
+        loss, logits, lse = head_forward_and_logits(hidden, weight, bias, targets, *options, out_dtype)
+        # The backward recomputes the logits (saving them would keep tokens x vocab until it runs),
+        # and adds their own gradient.
+        grads = head_backward(get_grad(loss), hidden, weight, bias, targets, lse, *options, get_grad(logits))
     _put_head_grads(hidden, weight, bias, grads)
     return loss, logits
 
