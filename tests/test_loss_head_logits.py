@@ -70,18 +70,22 @@ def test_gradients_from_the_whole_logits_match_autograd(monkeypatch, vocab, step
 
 def test_a_logits_gradient_of_zeros_or_none_costs_no_matmul_in_the_backward(monkeypatch):
     """Autograd hands a result that nothing used a gradient of zeros (or Thunder None): the backward
-    only scales what the forward computed, bit for bit, and walks no chunk."""
+    only scales what the forward computed, bit for bit and in place (the memory model reads its
+    outputs as those tensors), and walks no chunk; an upstream gradient of 1 leaves them as they are."""
     hidden, weight, targets, _ = _head(1000, ())
     with torch.no_grad():
         _, _, lse, *unit = cce._logits_with_gradients_impl(hidden, weight, None, targets, -100, "mean", 64, (),
                                                            cce.dtypes.float32)
         monkeypatch.setattr(cce, "_backward", lambda *a, **k: pytest.fail("the backward walked the logits"))
         for logits_grad in (None, torch.zeros(300, 1000)):
-            grads = cce._scale_with_logits_grad_impl(torch.tensor(0.5), logits_grad, hidden, weight, None, targets,
-                                                     lse, -100, "mean", 64, (), *unit)
-            for got, computed in zip(grads, unit):
-                assert (got is None) == (computed is None)
-                assert got is None or torch.equal(got, computed * 0.5)
+            for upstream in (0.5, 1.0):
+                computed = [None if g is None else g.clone() for g in unit]
+                given = [None if g is None else g.clone() for g in unit]
+                grads = cce._scale_with_logits_grad_impl(torch.tensor(upstream), logits_grad, hidden, weight, None,
+                                                         targets, lse, -100, "mean", 64, (), *given)
+                for got, was, before in zip(grads, given, computed):
+                    assert got is was
+                    assert got is None or torch.equal(got, before * upstream)
 
 
 GEMMA2 = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -3,7 +3,8 @@
 Hidden 4096, T=8192, bf16, vocabularies 32000 (Llama-2), 49155 (Granite, odd), 128256 (Llama-3),
 151936 (Qwen3) and 256000 (Gemma): median forward+backward ms (CUDA events) and peak MiB above the
 inputs of
-- inductor: ``torch.compile``d ``F.cross_entropy(F.linear(h, W).float(), t)``;
+- inductor: ``torch.compile``d ``F.cross_entropy(F.linear(h, W).float(), t)``, alone and also
+  returning the logits (as a transformers model does under ``torch.compile``);
 - the fused head with the logits recomputed in the backward (``linear_cross_entropy``), and with
   the gradients in the forward;
 - the fused head that also returns the logits, as transformers' models are fused (the ops the
@@ -43,6 +44,24 @@ HIDDEN = 4096
 def upcast_unfused(hidden, weight, targets):
     """The unfused head as transformers' loss computes it: the logits upcast to fp32."""
     return torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight).float(), targets)
+
+
+def _upcast_unfused_and_logits(hidden, weight, targets):
+    logits = torch.nn.functional.linear(hidden, weight)
+    return torch.nn.functional.cross_entropy(logits.float(), targets), logits
+
+
+def compiled_unfused_with_logits():
+    """upcast_unfused, compiled, that also returns the logits as a transformers model does (autograd
+    then hands them a gradient of zeros), held as with_logits holds them."""
+    compiled = torch.compile(_upcast_unfused_and_logits)
+
+    def head(hidden, weight, targets):
+        loss, logits = compiled(hidden, weight, targets)
+        loss.logits = logits
+        return loss
+
+    return head
 
 
 class _WithLogits(torch.autograd.Function):
@@ -137,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = f"{chunk} | {vocabulary_width(n, vocab, chunk) if n < vocab else '-'}"
         in_forward = functools.partial(linear_cross_entropy, gradients_in_forward=True)
         heads = (("inductor, unfused", torch.compile(upcast_unfused), "- | -"),
+                 ("inductor, unfused, logits returned", compiled_unfused_with_logits(), "- | -"),
                  ("fused, logits recomputed", linear_cross_entropy, shapes),
                  ("fused, gradients in forward", in_forward,
                   f"{chunk_tokens(n, vocab, gradients_in_forward=True, device=args.device)} | -"),

@@ -5,6 +5,7 @@
   CUDA) each chunk's math adds its temporaries.
 - ``COMPILED_FUNCTIONS_OF`` (executors.fusion), per op: the compiled chunk functions it will call,
   so that they compile ahead of the first step with the regions.
+- ``INPLACE_TARGETS`` (core.memory): the scales' outputs are the gradients they scale in place.
 
 Registered by importing this module (thunder_memopt.executors does).
 """
@@ -15,8 +16,8 @@ import torch
 import thunder.core.dtypes as dtypes
 from thunder.core.proxies import TensorProxy
 
-from thunder_memopt.core.memory import WORKSPACE_BYTES
-from thunder_memopt.executors._head_math import scaled, steps_dtype
+from thunder_memopt.core.memory import INPLACE_TARGETS, WORKSPACE_BYTES
+from thunder_memopt.executors._head_math import steps_dtype
 from thunder_memopt.executors._head_shapes import gradient_slices, spans, vocabulary_width
 from thunder_memopt.executors.chunked_cross_entropy import (
     _accumulation_temporary_bytes, _compiled, _lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad_,
@@ -90,9 +91,6 @@ def _functions_called(bsym) -> list:
     the backward's chunk function also takes the model's gradient of the logits, a slice of columns
     where it walks the vocabulary: that one is compiled at its first call, for the slice's strides."""
     name = bsym.sym.name
-    if name in (head_scale_gradients.name, head_scale_with_logits_grad.name):
-        scaled_args = bsym.args if name == head_scale_gradients.name else bsym.args[:1] + bsym.args[11:]
-        return [c for c in [_compiled(scaled, [torch_metadata(a) for a in scaled_args if a is not None])] if c]
     backward = name == head_backward.name
     hidden, weight, targets = bsym.args[1:3] + bsym.args[4:5] if backward else bsym.args[:2] + bsym.args[3:4]
     chunk, steps = bsym.args[8:10] if backward else bsym.args[6:8]
@@ -128,8 +126,13 @@ def _functions_called(bsym) -> list:
 
 
 COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (
-    head_loss, head_forward, head_forward_with_gradients, head_backward, head_scale_gradients,
-    head_loss_and_logits, head_forward_and_logits, head_forward_logits_with_gradients, head_scale_with_logits_grad)})
+    head_loss, head_forward, head_forward_with_gradients, head_backward, head_loss_and_logits,
+    head_forward_and_logits, head_forward_logits_with_gradients)})
+# The scales multiply the gradients their forward saved in place (chunked_cross_entropy._scale_).
+INPLACE_TARGETS.update({
+    head_scale_gradients.name: lambda bsym: [g for g in bsym.args[1:] if g is not None],
+    head_scale_with_logits_grad.name: lambda bsym: [g for g in bsym.args[11:] if g is not None],
+})
 
 
 _WITH_LOGITS = {head_loss_and_logits.name, head_forward_and_logits.name}

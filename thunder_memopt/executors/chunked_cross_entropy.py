@@ -254,7 +254,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("linear_cross_entropy: double backward (create_graph=True) is not supported")
         if ctx.gradients_in_forward:
-            grads = _scale_impl(grad, *ctx.saved_tensors)
+            # Out of place: a second backward (retain_graph=True) scales them again.
+            grads = _scaled(grad, *ctx.saved_tensors)
         else:
             hidden, weight, bias, targets, lse = ctx.saved_tensors
             needs_weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
@@ -387,18 +388,25 @@ def _scale_with_logits_grad_meta(grad, logits_grad, hidden, weight, bias, target
 
 def _scale_with_logits_grad_impl(grad, logits_grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
                                  chunk, steps, grad_hidden, grad_weight, grad_bias):
-    """The unit gradients scaled by ``grad``, plus the model's own gradient of its logits where it
-    has one: autograd hands a result that nothing used a gradient of zeros, checked here (one read
-    of it, and a wait for the device) so that the common case makes no matmul. Otherwise that
-    gradient goes through the chunks of _backward, which recompute the logits (the steps'
-    derivative needs them) and add nothing of the loss's (its scale is 0)."""
-    grads = _scale_impl(grad, grad_hidden, grad_weight, grad_bias)
-    if logits_grad is None or not bool(logits_grad.any()):
-        return grads
-    nothing = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    added = _backward(nothing, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk, True,
-                      logits_grad)
-    return tuple(None if a is None else a + b for a, b in zip(grads, added))
+    """The unit gradients scaled by ``grad`` in place (_scale_), plus the model's own gradient of its
+    logits where it has one. One wait for the device reads whether ``grad`` is 1 (the usual loss:
+    then the unit gradients are the gradients, and no pass over the weight's is made) and whether
+    autograd handed the logits a gradient that is not zeros, as it does for a result that nothing
+    used. Such a gradient goes through the chunks of _backward, which recompute the logits (the
+    steps' derivative needs them) and add nothing of the loss's (its scale is 0)."""
+    checks = [grad != 1] + ([] if logits_grad is None else [logits_grad.any()])
+    not_unit, *added = torch.stack(checks).tolist()
+    grads = (grad_hidden, grad_weight, grad_bias)
+    if not_unit:
+        _scale_(grad, *grads)
+    if any(added):
+        nothing = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        extra = _backward(nothing, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk, True,
+                          logits_grad)
+        for g, e in zip(grads, extra):
+            if g is not None:
+                g += e
+    return grads
 
 
 def _loss_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,
@@ -440,8 +448,22 @@ def _scale_meta(grad, grad_hidden, grad_weight, grad_bias):
 
 
 def _scale_impl(grad, grad_hidden, grad_weight, grad_bias):
-    scaled_grads = iter(_run(scaled, grad, *(g for g in (grad_hidden, grad_weight, grad_bias) if g is not None)))
-    return tuple(None if g is None else next(scaled_grads) for g in (grad_hidden, grad_weight, grad_bias))
+    return _scale_(grad, grad_hidden, grad_weight, grad_bias)
+
+
+def _scaled(grad, *grads):
+    """The unit gradients times ``grad``, as new tensors (None stays None)."""
+    products = iter(_run(scaled, grad, *(g for g in grads if g is not None)))
+    return tuple(None if g is None else next(products) for g in grads)
+
+
+def _scale_(grad, *grads):
+    """The unit gradients computed in the forward times ``grad``, in place and in one launch, each
+    product rounded once as ``scaled`` rounds it. They were saved for the op that scales them alone,
+    so no other reader sees them change; the memory model reads its outputs as them
+    (INPLACE_TARGETS), so that the scale allocates no second weight-sized gradient."""
+    torch._foreach_mul_([g for g in grads if g is not None], grad)
+    return grads
 
 
 # Tagged as a matmul: the recompute pass replays it only below budget 1.0, like the head's linear.
