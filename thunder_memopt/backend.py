@@ -53,7 +53,7 @@ from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = [
-    "THUNDER_OPTIONS", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "thunderfx_backend",
+    "THUNDER_OPTIONS", "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "thunderfx_backend",
 ]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
@@ -106,7 +106,8 @@ def thunderfx_backend(
 
     ``fusion``, ``cudnn_attention`` and ``loss_head`` choose thunder_memopt's executors (``executors()``), unless
     ``executors=`` is given among the ThunderCompiler options; ``fusion=False`` keeps every op as
-    plain Thunder runs it, bit for bit. ``thunder_options``: thunder.jit's options and Thunder's
+    plain ThunderCompiler runs the graph that ``rewrite_for_thunder`` gives it, bit for bit.
+    ``thunder_options``: thunder.jit's options and Thunder's
     compile options (``THUNDER_OPTIONS``), passed on; ``transforms`` run after ``memory_optimization``.
     """
     from thunder.dynamo import ThunderCompiler
@@ -127,16 +128,29 @@ def thunderfx_backend(
         e is cudnn_attention_ex or e == cudnn_attention_ex.name for e in thunder_options["executors"])
 
     def backend(gm, example_inputs):
-        keep_collectives_out_of_thunder(gm)
-        keep_autograd_functions_out_of_thunder(gm)
-        keep_addmm_in_thunder(gm)
-        keep_mask_preparation_in_thunder(gm)
+        rewrite_for_thunder(gm)
         if causal_inputs:
             return compile_with_causal_inputs(gm, example_inputs, compiler)
         return compiler(gm, example_inputs)
 
     backend.compiler = compiler  # subgraph_infos and traces stay reachable
     return backend
+
+
+def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
+    """The backend's rewrites of a dynamo graph, in place, before ThunderCompiler splits it.
+
+    Where they join what plain ThunderCompiler splits, the gradient of a tensor used in several
+    places sums its uses' contributions in another order: Thunder's backward adds them in the order
+    one trace meets them, autograd adds what each region returns. On GPT-2 the mask's rewrite joins
+    the embeddings to the first block, and the addmm's joins each projection to its neighbours:
+    the embeddings' gradients (three terms: the residual and two of LayerNorm's) and some biases'
+    differ from plain ThunderCompiler's in the last bit. Splitting as it splits would undo what the
+    rewrites are for (tests/test_transformers.py)."""
+    keep_collectives_out_of_thunder(gm)
+    keep_autograd_functions_out_of_thunder(gm)
+    keep_addmm_in_thunder(gm)
+    keep_mask_preparation_in_thunder(gm)
 
 
 # Namespaces of FSDP2's traced communication: functional collectives and its copy-in/out ops.
