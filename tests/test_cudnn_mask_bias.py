@@ -2,7 +2,8 @@
 
 cuDNN takes a mask as an additive bias; torch's SDPA makes it as ``where(mask, 0.0, -65504.0)`` in
 the query's dtype. The executor makes it once per mask, shared by every layer's forward and
-backward, and again only when the mask is written in place; it drops it with the mask. The
+backward (which reads it through other tensor objects), and again only when the mask is written in
+place; it drops it with the mask's storage. The
 conversion runs on CPU tensors here (the kernels it feeds run on CUDA only).
 """
 
@@ -29,6 +30,16 @@ def test_one_bias_per_mask_with_torchs_bits_made_again_when_written_and_dropped_
     assert bias.dtype == dtype and torch.equal(bias, _torchs_bias(mask, dtype))
     assert cudnn_attention._additive_bias(mask, dtype) is bias  # every later layer, forward and backward
     assert len(cache) == before + 1
+    # The backward reads the mask through other tensor objects (those saved for it), after the
+    # forward's is gone: the bias lives with the storage.
+    saved = mask.detach()
+    forwards = mask
+    del mask
+    gc.collect()
+    assert cudnn_attention._additive_bias(saved, dtype) is bias
+    mask = saved
+    del forwards, saved
+    gc.collect()
     mask[0, 0, 0, 0] = ~mask[0, 0, 0, 0]  # written in place: its version moves
     written = cudnn_attention._additive_bias(mask, dtype)
     assert written is not bias and torch.equal(written, _torchs_bias(mask, dtype))

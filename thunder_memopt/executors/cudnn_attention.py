@@ -107,7 +107,9 @@ class _BiasOfMask:
     Every layer's attention, forward and backward, reads the one mask the model made for the step,
     so one conversion serves them all; each op converting its own made 8 T x T passes a step for a
     4-layer model (benchmarks/results/hf_phi_3_mini_4l_none_1xH100_T8192_profile.md). A bias lives
-    as long as its mask (a weak reference drops it), and is made again if the mask is written."""
+    as long as its mask's storage (a weak reference to it drops the bias), which the backward reads
+    through other tensor objects (the saved ones), and is made again if the mask is written. Making
+    one waits for nothing: its two values are filled on the device, not copied from the host."""
 
     def __init__(self) -> None:
         self._biases: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
@@ -119,9 +121,10 @@ class _BiasOfMask:
             return held[2]
         # 0-d operands of the query's dtype: one pass, no fp32 copy, and the bits of torch's
         # where(mask, 0.0, _MASKED_BIAS).to(dtype).
-        zero, masked = (torch.tensor(v, dtype=dtype, device=mask.device) for v in (0.0, _MASKED_BIAS))
+        zero, masked = (torch.full((), v, dtype=dtype, device=mask.device) for v in (0.0, _MASKED_BIAS))
         bias = torch.where(mask, zero, masked)
-        self._biases[key] = (weakref.ref(mask, lambda _: self._biases.pop(key, None)), mask._version, bias)
+        storage = weakref.ref(mask.untyped_storage(), lambda _: self._biases.pop(key, None))
+        self._biases[key] = (storage, mask._version, bias)
         return bias
 
     def __len__(self) -> int:
