@@ -46,7 +46,7 @@ from thunder_memopt.core.storages import (
     tensor_nbytes,
 )
 from thunder_memopt.core.trace import DELETION_NAMES, received_tensors, saved_proxies, source_of, trace_inputs
-from thunder_memopt.core.views import INPLACE_TARGETS, OUTPUT_STRIDES, dense_strides_like, simulated_strides
+from thunder_memopt.core.views import OUTPUT_STRIDES, dense_strides_like, simulated_strides
 
 # Names of the model that other modules import from here, though this module does not read them.
 from thunder_memopt.core.views import Strides, _reshape_strides, contiguous_strides  # noqa: F401
@@ -62,7 +62,6 @@ __all__ = [
     "HOST_MEMORY",
     "WORKSPACE_BYTES",
     "OUTPUT_STRIDES",
-    "INPLACE_TARGETS",
     "dense_strides_like",
     "storage_roots",
     "storage_nbytes",

@@ -18,7 +18,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_memopt.core.trace import DELETION_NAMES, received_tensors, source_of, tensor_args, tensor_outs
 from thunder_memopt.core.views import (
-    INPLACE_TARGETS,
+    _INPLACE_TARGET,
     Strides,
     _Kind,
     _kind_of,
@@ -254,7 +254,8 @@ def _storages(
                 add(o, root.get(a.name, a.name), i)
             continue
         if kind is _Kind.INPLACE:
-            for o, base in zip(symbol.outs, INPLACE_TARGETS[bsym.sym.name](bsym)):
+            base = bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]
+            for o in symbol.outs:
                 add(o, root.get(base.name, base.name), i)
             continue
         if kind is _Kind.REGION:

@@ -28,7 +28,6 @@ from thunder_memopt.core.trace import DELETION_NAMES, is_bookkeeping, received_t
 __all__ = [
     "Strides",
     "OUTPUT_STRIDES",
-    "INPLACE_TARGETS",
     "contiguous_strides",
     "dense_strides_like",
     "view_strides",
@@ -36,11 +35,8 @@ __all__ = [
     "simulated_strides",
 ]
 
-# In-place ops, by name -> the argument each of the op's tensor outputs is (an alias of), in order.
-# An executor registers its own: the fused head scales the gradients it saved in place.
-INPLACE_TARGETS: dict[str, Callable[[BoundSymbol], list[TensorProxy]]] = {
-    "copy_": lambda bsym: [bsym.flat_proxy_args[1]] * len(tensor_outs(bsym)),
-}
+# In-place ops return (an alias of) the argument at this position.
+_INPLACE_TARGET = {"copy_": 1}
 # Leaf ops that return a view of their first argument, by symbol id: a torch-level op of a prim's
 # name (``torch.transpose(t, 1, 2)``) has another signature, and is read through its decomposition.
 # Strides are simulated through them, so that ``reshape`` counts as a view exactly when PyTorch can
@@ -199,8 +195,9 @@ def _region_strides(bsym: BoundSymbol, strides: Mapping[str, Strides]) -> tuple[
     local = ChainMap({}, strides)
     base_of = {a.name: a.name for a in tensor_args(bsym)}
     for sub in bsym.subsymbols:
-        if sub.sym.name in INPLACE_TARGETS:  # a donated buffer (passes/donate.py): its target's memory
-            for o, target in zip(tensor_outs(sub), INPLACE_TARGETS[sub.sym.name](sub)):
+        if sub.sym.name in _INPLACE_TARGET:  # a donated buffer (passes/donate.py): its target's memory
+            target = sub.flat_proxy_args[_INPLACE_TARGET[sub.sym.name]]
+            for o in tensor_outs(sub):
                 local.maps[0][o.name] = local.get(target.name, contiguous_strides(target.shape))
                 base_of[o.name] = base_of.get(target.name, target.name)
             continue
@@ -234,7 +231,7 @@ def _kind_of(bsym: BoundSymbol) -> _Kind:
         return _Kind.SKIPPED
     if name == "update_aliases":
         return _Kind.ALIASES
-    if name in INPLACE_TARGETS:
+    if name in _INPLACE_TARGET:
         return _Kind.INPLACE
     if bsym.subsymbols and _torch_compile_region(bsym):
         return _Kind.REGION
@@ -270,7 +267,7 @@ def simulated_strides(trace: TraceCtx, received: Mapping[str, Strides] | None = 
             args = tensor_args(bsym)
             # update_aliases: each output is its input; an in-place op's outputs are its target.
             if kind is _Kind.INPLACE:
-                bases = INPLACE_TARGETS[bsym.sym.name](bsym)
+                bases = [bsym.flat_proxy_args[_INPLACE_TARGET[bsym.sym.name]]] * len(outs)
             else:
                 bases = args
             made = {o.name: strides.get(base.name, contiguous_strides(o.shape)) for base, o in zip(bases, outs)}

@@ -5,7 +5,6 @@
   CUDA) each chunk's math adds its temporaries.
 - ``COMPILED_FUNCTIONS_OF`` (executors.fusion), per op: the compiled chunk functions it will call,
   so that they compile ahead of the first step with the regions.
-- ``INPLACE_TARGETS`` (core.memory): the scales' outputs are the gradients they scale in place.
 
 Registered by importing this module (thunder_memopt.executors does).
 """
@@ -16,13 +15,13 @@ import torch
 import thunder.core.dtypes as dtypes
 from thunder.core.proxies import TensorProxy
 
-from thunder_memopt.core.memory import INPLACE_TARGETS, WORKSPACE_BYTES
+from thunder_memopt.core.memory import WORKSPACE_BYTES
 from thunder_memopt.executors._head_math import steps_dtype
 from thunder_memopt.executors._head_shapes import gradient_slices, spans, vocabulary_width
 from thunder_memopt.executors.chunked_cross_entropy import (
     _accumulation_temporary_bytes, _compiled, _lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad_,
     head_backward, head_forward, head_forward_and_logits, head_forward_logits_with_gradients,
-    head_forward_with_gradients, head_loss, head_loss_and_logits, head_scale_gradients, head_scale_with_logits_grad)
+    head_forward_with_gradients, head_loss, head_loss_and_logits)
 from thunder_memopt.executors.fusion import COMPILED_FUNCTIONS_OF, TensorMetadata, torch_metadata
 
 __all__: list[str] = []
@@ -128,11 +127,6 @@ def _functions_called(bsym) -> list:
 COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (
     head_loss, head_forward, head_forward_with_gradients, head_backward, head_loss_and_logits,
     head_forward_and_logits, head_forward_logits_with_gradients)})
-# The scales multiply the gradients their forward saved in place (chunked_cross_entropy._scale_).
-INPLACE_TARGETS.update({
-    head_scale_gradients.name: lambda bsym: [g for g in bsym.args[1:] if g is not None],
-    head_scale_with_logits_grad.name: lambda bsym: [g for g in bsym.args[11:] if g is not None],
-})
 
 
 _WITH_LOGITS = {head_loss_and_logits.name, head_forward_and_logits.name}
