@@ -88,6 +88,26 @@ def test_a_logits_gradient_of_zeros_or_none_costs_no_matmul_in_the_backward(monk
                     assert got is None or torch.equal(got, before * upstream)
 
 
+def test_compiled_the_models_logits_are_made_over_the_matmul_in_one_kernel_with_its_bits(monkeypatch):
+    """Where the chunk math is compiled (CUDA; here CPU, where inductor's C++ backend serves), the
+    model's ops on its logits run as one kernel over the matmul's output, compiled ahead with the
+    head's other functions, in the same memory: the bits of torch.compile's kernel of those ops."""
+    from thunder_memopt.executors.fusion import compile_stats, reset_compile_stats
+
+    hidden, weight, _, _ = _head(100, SOFTCAP, torch.bfloat16)
+    monkeypatch.setattr(cce, "COMPILED_DEVICES", {"cpu", "cuda"})
+    reset_compile_stats()
+    with torch.no_grad():
+        raw = torch.nn.functional.linear(hidden, weight)
+        logits = cce._model_logits_(raw, SOFTCAP)
+    assert logits is raw
+    torch._dynamo.reset()
+    compiled_model = torch.compile(lambda x: torch.tanh(x / 3 / 5.0) * 5.0)  # SOFTCAP, as the model runs it
+    assert torch.equal(logits, compiled_model(torch.nn.functional.linear(hidden, weight).detach()))
+    assert compile_stats().functions == 1
+    reset_compile_stats()
+
+
 GEMMA2 = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, vocab_size=256, head_dim=16, final_logit_softcapping=2.0)
 HEAD_OPS = {

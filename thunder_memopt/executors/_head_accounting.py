@@ -16,7 +16,7 @@ import thunder.core.dtypes as dtypes
 from thunder.core.proxies import TensorProxy
 
 from thunder_memopt.core.memory import WORKSPACE_BYTES
-from thunder_memopt.executors._head_math import steps_dtype
+from thunder_memopt.executors._head_math import steps_applied_, steps_dtype
 from thunder_memopt.executors._head_shapes import gradient_slices, spans, vocabulary_width
 from thunder_memopt.executors.chunked_cross_entropy import (
     _accumulation_temporary_bytes, _compiled, _lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad_,
@@ -97,6 +97,9 @@ def _functions_called(bsym) -> list:
     _, dtype, device = torch_metadata(hidden)
     index = dtypes.to_torch_dtype(targets.dtype)
     stepped = dtypes.to_torch_dtype(steps_dtype(steps, hidden.dtype))  # the dtype of the model's logits
+    # The ops that return the model's logits make them over their matmul (_model_logits_).
+    over_matmul = [_compiled(steps_applied_, [((n, vocab), dtype, device)], steps=steps)
+                   if name in _MAKES_MODEL_LOGITS and steps and stepped == dtype else None]
     if name in _WITH_LOGITS:  # the chunks are views of the model's logits, after the steps
         steps, dtype = (), stepped
 
@@ -121,7 +124,8 @@ def _functions_called(bsym) -> list:
             calls = [] if added else [(_logits_grad, rows(n, c)) for c in widths]
         else:
             calls = [(_logits_grad, rows(r) + ([((r, vocab), stepped, device)] if added else [])) for r in sizes]
-    return [c for f, tensors in calls if (c := _compiled(f, tensors, steps=steps)) is not None]
+    return [c for c in over_matmul if c is not None] + [
+        c for f, tensors in calls if (c := _compiled(f, tensors, steps=steps)) is not None]
 
 
 COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (
@@ -130,6 +134,7 @@ COMPILED_FUNCTIONS_OF.update({op.name: _functions_called for op in (
 
 
 _WITH_LOGITS = {head_loss_and_logits.name, head_forward_and_logits.name}
+_MAKES_MODEL_LOGITS = _WITH_LOGITS | {head_forward_logits_with_gradients.name}
 WORKSPACE_BYTES.update({
     head_loss.name: _forward_workspace,
     head_forward.name: _forward_workspace,

@@ -9,7 +9,8 @@ dtype it ran them in (executors._head_math); the chunks' shapes keep every matmu
 kernels (executors._head_shapes). Where the gradients are computed (the grad transforms, below):
 - in the backward: the forward keeps each token's log-sum-exp, the backward makes the logits again;
 - in the forward: from the logits the forward has (one matmul less); the backward scales them.
-A model that also returns its logits (transformers) gets them whole, as unfused, from one matmul.
+A model that also returns its logits (transformers) gets them whole from one matmul, its ops on them
+in one kernel over it where the chunk math is compiled (torch.compile's rounding of those ops).
 Ways in: ``linear_cross_entropy`` (an autograd.Function), and the Thunder ops of
 ``linear_cross_entropy_ex`` that MemoryOptimization's ``loss_head`` pass puts in a trace.
 """
@@ -26,7 +27,7 @@ from thunder.extend import OperatorExecutor, register_executor
 from thunder_memopt.executors._head_math import lse_and_target_logit as _lse_and_target_logit
 from thunder_memopt.executors._head_math import logits_grad as _logits_grad
 from thunder_memopt.executors._head_math import loss_terms_and_logits_grad_ as _loss_terms_and_logits_grad_
-from thunder_memopt.executors._head_math import apply_steps, scaled, softcap_steps, steps_dtype
+from thunder_memopt.executors._head_math import apply_steps, scaled, softcap_steps, steps_applied_, steps_dtype
 from thunder_memopt.executors._head_shapes import (aligned_classes, chunk_tokens, gradient_slices, padded_row, spans,
                                                    vocabulary_width)
 from thunder_memopt.executors._loss_checks import REDUCTIONS, check_targets, checked_options
@@ -59,6 +60,18 @@ def _run(f, *tensors, **constants):
     """``f(*tensors, **constants)``, compiled where COMPILED_DEVICES says, else eagerly."""
     compiled = _compiled(f, [torch_metadata(t) for t in tensors], **constants)
     return f(*tensors, **constants) if compiled is None else compiled(*tensors)
+
+
+def _model_logits_(raw: torch.Tensor, steps) -> torch.Tensor:
+    """The model's logits from the head's matmul ``raw``, after ``steps``: over ``raw`` in one
+    compiled kernel where the chunk math is compiled and the steps end in its dtype; else op by op,
+    in place where no cast comes first (apply_steps)."""
+    if steps and steps_dtype(steps, raw.dtype) == raw.dtype:
+        compiled = _compiled(steps_applied_, [torch_metadata(raw)], steps=steps)
+        if compiled is not None:
+            compiled(raw)
+            return raw
+    return apply_steps(raw, steps, in_place=True)
 
 
 def _accumulate_product_(total, a, b):
@@ -354,7 +367,7 @@ def _forward_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduct
 
 def _forward_and_logits_impl(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):
     # The model's logits: the same one matmul, then its ops on them, whole, as the model runs them.
-    logits = apply_steps(_linear(hidden, weight, bias), steps, in_place=True)
+    logits = _model_logits_(_linear(hidden, weight, bias), steps)
     loss, lse = _forward(hidden, weight, bias, targets, ignore_index, reduction, (), chunk,
                          dtypes.to_torch_dtype(out_dtype), logits)
     return loss, logits, lse
@@ -378,7 +391,7 @@ def _logits_with_gradients_impl(hidden, weight, bias, targets, ignore_index, red
     unit = torch.ones((), dtype=torch.float32, device=hidden.device)
     grads = _backward(unit, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, rows, True,
                       logits=raw, columns=columns)
-    return loss, apply_steps(raw, steps, in_place=True), lse, *grads
+    return loss, _model_logits_(raw, steps), lse, *grads
 
 
 def _scale_with_logits_grad_meta(grad, logits_grad, hidden, weight, bias, targets, lse, ignore_index, reduction,
