@@ -75,6 +75,16 @@ def test_a_limit_resolves_against_the_device():
     assert fit.resolve_memory_limit(600, None) == 600
 
 
+def test_a_limit_resolves_against_the_process_cap():
+    # torch.cuda.set_per_process_memory_fraction(0.4): "auto" takes what the cap leaves, a limit
+    # above the cap is refused in one line (the allocator would fail first).
+    memory = DeviceMemory(total=1000, free=500, reserved=200, allocated=150, cap=400)
+    assert fit.resolve_memory_limit("auto", memory) == 400 - int(fit.AUTO_MARGIN * 400)
+    assert fit.resolve_memory_limit(0.3, memory) == 300
+    for over in (401, 0.5):
+        assert "cap of 400" in _one_line_error(ValueError, lambda: fit.resolve_memory_limit(over, memory))
+
+
 def _one_line_error(kind, run):
     with pytest.raises(kind) as error:
         run()

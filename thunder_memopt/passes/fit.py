@@ -68,9 +68,11 @@ The limit (``checked_memory_limit``, ``resolve_memory_limit``): an ``int``, or a
 that is a whole number (``40e9``), is bytes; a ``float`` in (0, 1] a fraction of the CUDA device's
 total memory (so ``1.0`` is all of it, ``1`` one byte); infinity, NaN, zero or less, and a float
 above 1 with a fractional part are one-line errors; ``"auto"`` the memory the process could
-allocate at the first compile (the driver's free memory and what torch's caching allocator holds)
-less ``AUTO_MARGIN`` of the device's total, for the allocator's rounding and fragmentation and
-what other libraries allocate. The last two need a CUDA device. The prediction is of allocated
+allocate at the first compile (the driver's free memory and what torch's caching allocator holds,
+or the process's cap where ``torch.cuda.set_per_process_memory_fraction`` set a lower one) less
+``AUTO_MARGIN`` of what it may use, for the allocator's rounding and fragmentation and what other
+libraries allocate. A limit above that cap is refused: the allocator would fail first. The last
+two need a CUDA device. The prediction is of allocated
 bytes (``max_memory_allocated``), not of what the allocator reserves.
 
 Pure functions and frozen results, in the style of ``torch/_inductor/memory.py``; the state across
@@ -203,6 +205,12 @@ class DeviceMemory:
     free: int  # the driver's free memory (``torch.cuda.mem_get_info``)
     reserved: int  # held by torch's caching allocator
     allocated: int  # of that, in tensors
+    cap: int | None = None  # the process's cap (set_per_process_memory_fraction), where below total
+
+    @property
+    def usable(self) -> int:
+        """What the process may allocate on the device at most."""
+        return self.total if self.cap is None else self.cap
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:
@@ -210,23 +218,28 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
     return DeviceMemory(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
-                        allocated=torch.cuda.memory_allocated(device))
+                        allocated=torch.cuda.memory_allocated(device),
+                        cap=int(fraction * total) if fraction < 1 else None)
 
 
 def resolve_memory_limit(value: MemoryLimit, memory: DeviceMemory | None) -> int:
     """The limit in bytes (see the module docstring); ``memory`` None: the traces are not on CUDA,
     where only bytes can be a limit. A one-line ValueError where it cannot be resolved."""
-    if isinstance(value, numbers.Integral):
-        if memory is not None and value > memory.total:
-            raise ValueError(f"memory_limit={value} bytes is more than the device's {memory.total}")
-        return int(value)
     if memory is None:
+        if isinstance(value, numbers.Integral):
+            return int(value)
         raise ValueError(f"memory_limit={value!r} is relative to a CUDA device's memory, and the model is "
                          "not on one; give the limit in bytes (an int)")
     if value == "auto":
-        return memory.free + memory.reserved - int(AUTO_MARGIN * memory.total)
-    return int(float(value) * memory.total)
+        return min(memory.free + memory.reserved, memory.usable) - int(AUTO_MARGIN * memory.usable)
+    limit = int(value) if isinstance(value, numbers.Integral) else int(float(value) * memory.total)
+    if limit > memory.usable:
+        where = (f"the device's {memory.total}" if memory.cap is None else
+                 f"this process's cap of {memory.cap} (torch.cuda.set_per_process_memory_fraction)")
+        raise ValueError(f"memory_limit={value!r} ({limit} bytes) is more than {where}")
+    return limit
 
 
 @dataclass(frozen=True)
