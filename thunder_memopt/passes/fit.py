@@ -221,7 +221,7 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     return DeviceMemory(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
                         allocated=torch.cuda.memory_allocated(device),
-                        cap=int(fraction * total) if fraction < 1 else None)
+                        cap=round(fraction * total) if fraction < 1 else None)
 
 
 def resolve_memory_limit(value: MemoryLimit, memory: DeviceMemory | None) -> int:
