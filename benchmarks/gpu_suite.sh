@@ -48,6 +48,9 @@
 #                   its limit at the cap; stablecode 32 layers, FSDP2 one rank, zero2, cap 40 GiB, at each T of
 #                   FIT_CAP_T (default "16384 32768"); then SIMULATED rank 0 of 8, Llama-3-8B 32 layers, zero2,
 #                   T=8192, cap 45 GiB, inductor too. Several chunks of --time-limit: rerun until it exits 0
+#   fit-cap-expandable  the fit rows of fit-cap again, with the allocator's expandable segments
+#                   (--allocator-settings expandable_segments:True), to measure what they change of the
+#                   reserved memory; files *_cap40_expandable.jsonl and *_cap45_expandable.jsonl
 #   sc32-long       one GPU, FSDP2 with one rank, stablecode 32 layers, T=131072: eager-ac against
 #                   thunder+memopt-offload at budget 0.0, one warm-up and two measured steps each
 #   llama3-8b-fused one GPU, FSDP2 with one rank, Llama-3-8B, 4 layers, T=8192, AdamW fused (--optimizer fused:
@@ -283,6 +286,17 @@ case "$GROUP" in
         simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 \
             --compile inductor "${memopt[@]}" "${budgets[@]}" --memory-limit 45 --memory-cap 45 \
             --out "$OUT/llama3_8b_32l_zero2_sim8_${GPU_TAG:-$(gpu_tag)}_T8192_cap45.jsonl" ;;
+    fit-cap-expandable)
+        expandable=(--compile thunder+memopt-fit --allocator-settings expandable_segments:True)
+        for t in $FIT_CAP_T; do
+            CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \
+                --block-size "$t" --shard-mode zero2 --loss-mode in-graph "${expandable[@]}" \
+                --memory-limit 40 --memory-cap 40 \
+                --out "$OUT/stablecode_32l_zero2_${GPU_TAG:-$(gpu_tag)}_T${t}_cap40_expandable.jsonl"
+        done
+        simulated 8 --model-name Llama-3-8B --n-layer 32 --block-size 8192 --shard-mode zero2 "${expandable[@]}" \
+            --memory-limit 45 --memory-cap 45 \
+            --out "$OUT/llama3_8b_32l_zero2_sim8_${GPU_TAG:-$(gpu_tag)}_T8192_cap45_expandable.jsonl" ;;
     sc32-long)
         # One long run in one invocation: full checkpointing against the offload setting at T=131072.
         CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-name stablecode-completion-alpha-3b --n-layer 32 \

@@ -2,7 +2,10 @@
 capped by ``torch.cuda.set_per_process_memory_fraction`` in the row's fresh process, so that a
 setting that needs more is an OOM row, as on a card of that size.
 
-What needs no GPU: the flag's parsing and one-line errors, that the cap travels in the trial file
+With them, --allocator-settings (PYTORCH_CUDA_ALLOC_CONF's form, set in the worker before anything
+is allocated), so that the reserved memory is measured with and without expandable segments.
+
+What needs no GPU: the flags' parsing and one-line errors, that the cap travels in the trial file
 to the worker and is set there before anything is allocated (torch.cuda stubbed), that an
 out-of-memory failure becomes an OOM row with its error on one line, that the cap tells rows and
 tables apart, and gpu_suite.sh's fit-cap group (a stub interpreter records its commands, which
@@ -95,6 +98,8 @@ class _FakeCuda:
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                             lambda fraction, device: self.calls.append(("fraction", fraction, device)))
+        monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings",
+                            lambda settings: self.calls.append(("settings", settings)))
 
 
 def test_the_worker_sets_the_fraction_of_the_device_before_anything_else(monkeypatch):
@@ -113,6 +118,31 @@ def test_the_worker_sets_the_fraction_of_the_device_before_anything_else(monkeyp
     assert cuda.calls == [("set_device", device)]
     with pytest.raises(ValueError, match=r"^--memory-cap 80 GiB is more than the device's 79.19 GiB$"):
         worker.cap_device_memory(80.0, device)
+
+
+def test_the_allocator_settings_are_set_before_the_cap_and_tell_rows_apart(monkeypatch, capsys):
+    import torch
+
+    cuda = _FakeCuda(monkeypatch, H100_BYTES)
+    argv = ["--compile", "thunder+memopt-fit", "--distributed-mode", "none", "--memory-limit", "40",
+            "--memory-cap", "40", "--allocator-settings", "expandable_segments:True"]
+    (trial,) = _trials(argv)
+    assert trial.measurement.allocator_settings == "expandable_segments:True"
+    assert "allocator expandable_segments:True" in backends.describe_trial(trial)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    _, device = worker.init_distributed(Trial.from_fields(trial.fields()))
+    assert cuda.calls == [("set_device", device), ("settings", "expandable_segments:True"),
+                          ("fraction", 40 * GIB / H100_BYTES, device)]
+    key = {"row_type": "run", **trial.key()}
+    default = {name: value for name, value in key.items() if name != "allocator_settings"}
+    assert not driver.same_measurement({**default, "status": "ok"}, key)
+    row = {**key, "status": "ok", "gpu": "NVIDIA H100 80GB HBM3", "world_size": 1}
+    assert tables.ranks_of(row) == "1 × NVIDIA H100 80GB HBM3 capped at 40 GiB, allocator expandable_segments:True"
+    for bad in ("expandable_segments", "expandable_segments:True,", "expandable segments:True"):
+        line = _usage_error(["--allocator-settings", bad], capsys)
+        assert line.startswith("benchmark_fsdp2.py: error: argument --allocator-settings: ")
+    line = _usage_error(["--allocator-settings", "expandable_segments:True"], capsys, cuda=False)
+    assert line.endswith("sets a CUDA allocator, and there is none")
 
 
 def test_an_out_of_memory_step_is_an_oom_row_with_its_error_on_one_line(tmp_path, monkeypatch):
@@ -140,18 +170,23 @@ def test_an_out_of_memory_step_is_an_oom_row_with_its_error_on_one_line(tmp_path
     assert "| thunder+memopt @1 | OOM |" in text
 
 
-def test_gpu_suite_fit_cap_runs_the_acceptance_rows(tmp_path):
-    """Each command of the fit-cap group, read by the benchmark's parser: the settings, the cap and
-    the limit of issue 51's acceptance, one invocation per T and per model."""
+def _suite_commands(group: str, tmp_path: Path) -> list[list[str]]:
+    """The benchmark commands gpu_suite.sh's ``group`` runs, recorded by a stub interpreter."""
     record = tmp_path / "commands"
     stub = tmp_path / "python"
     stub.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && echo eager && exit 0\n'
                     f'printf "%q " "$@" >> {record}\necho >> {record}\n')
     stub.chmod(0o755)
     env = {**os.environ, "PYTHON": str(stub), "GPU_TAG": "1xH100"}
-    subprocess.run(["bash", str(REPOSITORY / "benchmarks/gpu_suite.sh"), "fit-cap", str(tmp_path / "out")],
+    subprocess.run(["bash", str(REPOSITORY / "benchmarks/gpu_suite.sh"), group, str(tmp_path / "out")],
                    env=env, check=True, capture_output=True, text=True)
-    commands = [shlex.split(line) for line in record.read_text().splitlines()]
+    return [shlex.split(line) for line in record.read_text().splitlines()]
+
+
+def test_gpu_suite_fit_cap_runs_the_acceptance_rows(tmp_path):
+    """Each command of the fit-cap group, read by the benchmark's parser: the settings, the cap and
+    the limit of issue 51's acceptance, one invocation per T and per model."""
+    commands = _suite_commands("fit-cap", tmp_path)
     assert [c[0] for c in commands] == ["benchmarks/benchmark_fsdp2.py"] * 3
     manual = [("thunder+memopt", 1.0), ("thunder+memopt", 0.5), ("thunder+memopt", 0.0),
               ("thunder+memopt-offload", 1.0), ("thunder+memopt-offload", 0.0)]
@@ -168,3 +203,14 @@ def test_gpu_suite_fit_cap_runs_the_acceptance_rows(tmp_path):
             (block_size, "Llama-3-8B" if simulated else "stablecode-completion-alpha-3b")}
         assert all(t.sharding.world_size == (simulated or 1) for t in trials)
     assert commands[0][commands[0].index("--out") + 1].endswith("stablecode_32l_zero2_1xH100_T16384_cap40.jsonl")
+
+
+def test_gpu_suite_fit_cap_expandable_runs_the_fit_rows_with_expandable_segments(tmp_path):
+    commands = _suite_commands("fit-cap-expandable", tmp_path)
+    assert len(commands) == 3
+    for command, (block_size, cap) in zip(commands, [(16384, 40.0), (32768, 40.0), (8192, 45.0)]):
+        (trial,) = _trials(command[1:])
+        assert (trial.compilation.backend, trial.compilation.budget) == ("thunder+memopt-fit", cap)
+        assert (trial.workload.block_size, trial.measurement.memory_cap_gib) == (block_size, cap)
+        assert trial.measurement.allocator_settings == "expandable_segments:True"
+        assert command[command.index("--out") + 1].endswith("_expandable.jsonl")

@@ -336,6 +336,8 @@ def describe_trial(trial: Trial) -> str:
     ranks = f"simulated world size {sharding.world_size}" if sharding.simulated else f"world size {sharding.world_size}"
     if trial.measurement.memory_cap_gib is not None:
         ranks += f", memory cap {trial.measurement.memory_cap_gib:g} GiB"
+    if trial.measurement.allocator_settings is not None:
+        ranks += f", allocator {trial.measurement.allocator_settings}"
     source = "transformers " if workload.model_source == TRANSFORMERS_SOURCE else ""
     return (f"{compilation.backend}{options} T={workload.block_size} ({source}{workload.model}, "
             f"{workload.n_layer} layers, {sharding_of(trial.key())}, {ranks})")

@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -67,6 +68,18 @@ def memory_limit_gib(text: str) -> float | str:
 def memory_cap_gib(text: str) -> float:
     """A --memory-cap value: GiB, a finite number above 0."""
     return _gib(text, "memory cap", "GiB (a number above 0)")
+
+
+_ALLOCATOR_SETTINGS = re.compile(r"[a-z_]+:[^\s,:]+(,[a-z_]+:[^\s,:]+)*")
+
+
+def allocator_settings(text: str) -> str:
+    """An --allocator-settings value: ``key:value`` pairs joined by commas, as PYTORCH_CUDA_ALLOC_CONF."""
+    if not _ALLOCATOR_SETTINGS.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allocator settings: key:value pairs joined by commas, as in "
+            "PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True)")
+    return text
 
 
 # How each kind of budget flag reads its values (backends.Budgets.kind).
@@ -171,6 +184,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                               "torch.cuda.set_per_process_memory_fraction(cap / the device's total), set in the "
                               "row's fresh processes before anything is allocated, so that a step that needs more "
                               "is an OOM row, as on a card of that size (default: the whole device)")
+    measure.add_argument("--allocator-settings", type=allocator_settings, metavar="KEY:VALUE[,...]",
+                         help="torch's CUDA caching allocator's settings for the rows' processes, as "
+                              "PYTORCH_CUDA_ALLOC_CONF takes them (expandable_segments:True), set before anything "
+                              "is allocated; part of each row's key (default: torch's, or the environment's)")
     measure.add_argument("--profile", action="store_true", help="torch.profiler summary of the measured steps")
     measure.add_argument("--first-step-profile", action="store_true",
                          help="cProfile over the first step (compilation included): its functions by "
@@ -281,6 +298,8 @@ def resolve_defaults(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         if device_bytes is not None and args.memory_cap * backends.GIB > device_bytes:
             parser.error(f"--memory-cap {args.memory_cap:g} GiB is more than the device's "
                          f"{device_bytes / backends.GIB:.2f} GiB")
+    if args.allocator_settings is not None and not cuda:
+        parser.error(f"--allocator-settings {args.allocator_settings} sets a CUDA allocator, and there is none")
     if args.find_max_block_size and args.block_size[0] % args.search_granularity:
         parser.error(f"--block-size {args.block_size[0]} (the search's start) must be a multiple of "
                      "--search-granularity")
@@ -302,7 +321,8 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
                                 fusion=args.fusion, head_gradients=args.memopt_head_gradients,
                                 over_limit=args.memopt_over_limit),
         measurement=Measurement(warmup=args.warmup, iters=args.iters, profile=args.profile,
-                                first_step_profile=args.first_step_profile, memory_cap_gib=args.memory_cap),
+                                first_step_profile=args.first_step_profile, memory_cap_gib=args.memory_cap,
+                                allocator_settings=args.allocator_settings),
     )
 
 

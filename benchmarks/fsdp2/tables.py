@@ -33,12 +33,12 @@ from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, S
 # order in the headings and plot titles.
 CONFIG_FIELDS = ("model", "model_source", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype",
                  "distributed_mode", "shard_mode", "head_unit", "autocast", "loss_mode", "optimizer", "world_size",
-                 "simulated", "gpu", "memory_cap_gib")
+                 "simulated", "gpu", "memory_cap_gib", "allocator_settings")
 SETTING_NAMES = {"model": "", "model_source": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=",
                  "micro_batch_size": "B=", "dtype": "", "distributed_mode": "", "shard_mode": "",
                  "head_unit": "head unit=", "autocast": "autocast=", "loss_mode": "loss=", "optimizer": "AdamW ",
                  "world_size": "ranks=", "simulated": "simulated=", "gpu": "", "memory_cap_gib": "cap GiB=",
-                 "block_size": "T="}
+                 "allocator_settings": "allocator ", "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
 MB = 10**6  # memory per token is in decimal megabytes, as the issues quote it
@@ -104,8 +104,10 @@ def heading(row: dict) -> str:
 
 def ranks_of(row: dict) -> str:
     """``2 × NVIDIA H200``, or for a simulated row, that it is rank 0 of N simulated on one device;
-    with the --memory-cap of each device, where one was set."""
+    with the --memory-cap of each device and the --allocator-settings, where set."""
     cap = "" if row.get("memory_cap_gib") is None else f" capped at {row['memory_cap_gib']:g} GiB"
+    if row.get("allocator_settings") is not None:
+        cap += f", allocator {row['allocator_settings']}"
     if field_value(row, "simulated"):
         return f"SIMULATED: rank 0 of {row['world_size']} on 1 × {row['gpu']}{cap} (fake process group)"
     return f"{row['world_size']} × {row['gpu']}{cap}"

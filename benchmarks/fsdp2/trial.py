@@ -132,6 +132,10 @@ class Measurement:
     # (torch.cuda.set_per_process_memory_fraction, set before anything is allocated), so that a step
     # that needs more fails as on a card of that size; None: the whole device.
     memory_cap_gib: float | None = None
+    # --allocator-settings: torch's caching allocator's settings for the row's processes, in
+    # PYTORCH_CUDA_ALLOC_CONF's form ("expandable_segments:True"), set before anything is allocated;
+    # None: torch's defaults (or the environment's PYTORCH_CUDA_ALLOC_CONF).
+    allocator_settings: str | None = None
 
 
 # Fields that record more about a measurement without changing it: not part of a row's key (a row's

@@ -417,7 +417,10 @@ def init_distributed(trial: Trial) -> tuple[int, torch.device]:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        cap_device_memory(trial.measurement.memory_cap_gib, device)  # before anything is allocated
+        # Before anything is allocated: the settings apply to the segments made after them.
+        if trial.measurement.allocator_settings is not None:
+            torch.cuda.memory._set_allocator_settings(trial.measurement.allocator_settings)
+        cap_device_memory(trial.measurement.memory_cap_gib, device)
     else:
         device = torch.device("cpu")
     if trial.sharding.distributed_mode == "none":
