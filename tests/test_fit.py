@@ -188,6 +188,35 @@ def test_the_limit_takes_a_plan_that_fits_where_the_default_does_not_with_the_bu
     assert fitted[2] == budgeted[2]
 
 
+def test_with_offload_each_rung_is_priced_as_the_offload_pass_leaves_it(monkeypatch):
+    """With offload on, a rung saves on the device what the offload pass keeps there, and costs its
+    recompute and the reloads the pass cannot hide. At the limit under which, without offload, only
+    a rung with recompute fits, the plan with every saved tensor copied to a host link fast enough
+    to hide the copies takes the default rung; over a slower link, whose reloads cost more than the
+    recompute saves, a rung with recompute. The offload pass then copies what the fit priced."""
+    from thunder_memopt.core.cost import DeviceRates
+    from thunder_memopt.passes import offload
+
+    monkeypatch.setattr(offload, "MIN_BYTES", 1)  # the narrow model's tensors are small
+    probe = _probe()
+    limit = probe.predicted_peaks[0] - 1
+    taken = {}
+    for link_bytes_per_s in (5e15, 50e9):
+        link = DeviceRates(to_host=link_bytes_per_s, to_device=link_bytes_per_s, flops=600e12, memory=4e12)
+        memopt = MemoryOptimization(memory_limit=limit, optimizer_states=0, offload="budget", offload_budget=0.0,
+                                    offload_rates=link)
+        _Training(memopt).step()
+        (choice,) = memopt.fit_report.choices
+        assert choice.fits
+        assert [r.saved_bytes + r.offloaded_bytes for r in choice.rungs] == [r.saved_bytes for r in probe.rungs]
+        (plan,) = memopt.offload_plans
+        assert plan.offloaded_bytes == choice.rungs[choice.rung].offloaded_bytes > 0
+        taken[link_bytes_per_s] = choice
+    fast, slow = taken[5e15], taken[50e9]
+    assert fast.rung == 0 and slow.rung > 0
+    assert slow.rungs[0].recompute_seconds > slow.rungs[slow.rung].recompute_seconds  # the reloads exposed
+
+
 def test_a_step_over_the_limit_is_planned_again_once():
     probe = _probe()
     limit = probe.predicted_peaks[0]  # the default plan fits, just

@@ -14,6 +14,7 @@ where a stage that raises may leave the trace as it was and where it must not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -124,9 +125,11 @@ class FitPlanner:
 
     def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None, optimizer_states: int = 2,
                  parameters: Callable[[], Iterable[torch.Tensor]] = tuple, over_limit: str = "raise",
-                 scheduled: bool = True) -> None:
+                 scheduled: bool = True,
+                 offload: tuple[offload_module.OffloadMode, float] = (offload_module.OffloadMode.OFF, 1.0)) -> None:
         self.limit, self.rates, self.over_limit = limit, rates, over_limit
         self.scheduled = scheduled  # the schedule pass orders the backwards (fit.price_rungs)
+        self.offload_mode, self.offload_budget = offload  # the offload pass's, which prices each rung
         # The optimizer's states per parameter, and the parameters it steps besides FSDP2's (the
         # modules jitted with the transform): the first step's terms (``fit.first_step``).
         self.optimizer_states, self.parameters = optimizer_states, parameters
@@ -148,10 +151,11 @@ class FitPlanner:
         device = torch.device(next(iter(_devices(forward)), "cpu"))
         memory = fit.device_memory(device)
         limit = fit.resolve_memory_limit(self.limit, memory)
-        estimates = fit.price_rungs(plans, forward, backward, scheduled=self.scheduled)
         rates = self.rates or (measure_rates(device) if memory is not None else fit.NOMINAL_RATES)
-        rungs = [fit.RungCost(plan.saved_bytes_after, estimate.peak_bytes, seconds)
-                 for plan, estimate, seconds in zip(plans, estimates, fit.recompute_seconds(plans, rates))]
+        priced = fit.price_rungs(plans, forward, backward, scheduled=self.scheduled,
+                                 offloads=self._offloads(rates, memory is not None))
+        estimates = [estimate for estimate, _ in priced]
+        rungs = fit.rung_costs(plans, priced, rates)
         key = self.key(forward)
         if key not in self.statics:
             # A second plan keeps the first plan's static term: the margin is the measured error of a
@@ -186,6 +190,14 @@ class FitPlanner:
         self.choices[key] = choice
         self.device = device
         return choice.rung
+
+    def _offloads(self, rates: DeviceRates, on_cuda: bool):
+        """The offload pass's planner for a rung's pair, where that pass will run on this program
+        (offload on, on CUDA or with offload_rates given: ``OffloadStage.runs_on_final``); else None."""
+        if self.offload_mode is offload_module.OffloadMode.OFF or not (on_cuda or self.rates is not None):
+            return None
+        return functools.partial(offload_module.plan_offload, mode=self.offload_mode, budget=self.offload_budget,
+                                 rates=rates)
 
     def _first_step(self, allocated_seen: bool) -> fit.FirstStep:
         """The first step's terms for the program compiled now (``fit.first_step``)."""

@@ -242,7 +242,7 @@ class MemoryOptimization(Transform):
         self._fit = None if memory_limit is None else FitPlanner(
             memory_limit, offload_rates, self.optimizer_states,
             lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()), over_limit,
-            scheduled="schedule" in passes)
+            scheduled="schedule" in passes, offload=(self.offload, self.offload_budget))
         self._modules: list[weakref.ref[ThunderModule]] = []  # those jitted with this instance
         self._schedule = ScheduleStage()
         self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)

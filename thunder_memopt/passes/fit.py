@@ -50,7 +50,10 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
 - ``pair_peak``: the program's own peak over its forward and backward, from the traces
   (``memory.estimate_step``): its saved tensors with its largest transient working set (a Block's
   backward, the loss head's chunks), its gradients, as they are made; with the schedule pass on,
-  each rung's backward in the order that pass runs it (``price_rungs``).
+  each rung's backward in the order that pass runs it (``price_rungs``). With offload on, each rung
+  is priced as the offload pass would leave it: its plan's copies off the device (``saved`` less
+  what it offloads), and the reloads it cannot hide added to the rung's time. So a rung with less
+  recompute can fit where the offload pass moves enough of what it keeps to the host.
 - Programs planned later: on CUDA a program's static term holds what the programs planned before
   it saved (a loss head compiled after every Block counts every Block's), so a rung of the Block
   also moves the head's peak. A program takes the rung under which its own prediction and those of
@@ -84,7 +87,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,7 +97,7 @@ from thunder.core.trace import TraceCtx
 
 from thunder_memopt.core.cost import DeviceRates, op_seconds
 from thunder_memopt.core.memory import StepEstimate, backward_storages, estimate_step
-from thunder_memopt.passes import recompute, schedule
+from thunder_memopt.passes import offload, recompute, schedule
 
 if TYPE_CHECKING:
     from thunder_memopt.passes.recompute import RecomputePlan
@@ -118,6 +121,7 @@ __all__ = [
     "resolve_memory_limit",
     "recompute_seconds",
     "price_rungs",
+    "rung_costs",
     "choose_by_limit",
     "checked_over_limit",
     "refusal",
@@ -246,9 +250,10 @@ def resolve_memory_limit(value: MemoryLimit, memory: DeviceMemory | None) -> int
 class RungCost:
     """One rung of a program's ladder, as the fit prices it."""
 
-    saved_bytes: int  # what one call saves for its backward
+    saved_bytes: int  # what one call saves for its backward, on the device
     pair_peak_bytes: int  # the program's own peak over its forward and backward (estimate_step)
-    recompute_seconds: float  # its replayed symbols on the roofline
+    recompute_seconds: float  # its replayed symbols on the roofline, and reloads the offload exposes
+    offloaded_bytes: int = 0  # of what it saves, what the offload pass copies to the host
 
 
 @dataclass(frozen=True)
@@ -419,22 +424,40 @@ def recompute_seconds(plans: Sequence[RecomputePlan], rates: DeviceRates) -> lis
     return [sum(seconds[id(b)] for b in plan.replayed) for plan in plans]
 
 
-def price_rungs(plans: Sequence[RecomputePlan], forward: TraceCtx, backward: TraceCtx, *,
-                scheduled: bool) -> list[StepEstimate]:
+def price_rungs(plans: Sequence[RecomputePlan], forward: TraceCtx, backward: TraceCtx, *, scheduled: bool,
+                offloads: Callable[[TraceCtx, TraceCtx], offload.OffloadPlan] | None = None,
+                ) -> list[tuple[StepEstimate, offload.OffloadPlan | None]]:
     """Each rung's ``memory.estimate_step``, with ``scheduled`` its backward in the order the
-    schedule pass will run it. The backward Thunder hands over can compute what needs only the
+    schedule pass will run it, and with ``offloads`` (the offload pass's planner) its pair as that
+    pass leaves it, with the plan. The backward Thunder hands over can compute what needs only the
     saved tensors at its start (under ``thunderfx_backend``, a SiLU's derivative terms), holding it
     through the loss's backward until its use: priced in that order, a CPU Llama of width 128, 2
     layers, at T=256 was predicted 44% over its measured peak (tests/test_fit_refusal.py)."""
-    if not scheduled:
-        return recompute.price_ladder(plans, forward, backward)
-    estimates = []
+    if not scheduled and offloads is None:
+        return [(estimate, None) for estimate in recompute.price_ladder(plans, forward, backward)]
+    priced = []
     for plan in plans:
         rung_forward = plan.apply_to_forward(forward, deletions=False)
         rung_backward = plan.apply_to_backward(backward, deletions=False)
-        known = backward_storages(rung_forward, rung_backward)
-        estimates.append(estimate_step(rung_forward, schedule.schedule_trace(rung_backward, known).trace))
-    return estimates
+        copies = None if offloads is None else offloads(rung_forward, rung_backward)
+        if copies is not None:
+            rung_forward, rung_backward = offload.apply_offload(rung_forward, rung_backward, copies)
+        if scheduled:
+            rung_backward = schedule.schedule_trace(rung_backward, backward_storages(rung_forward, rung_backward)).trace
+        priced.append((estimate_step(rung_forward, rung_backward), copies))
+    return priced
+
+
+def rung_costs(plans: Sequence[RecomputePlan], priced: Sequence[tuple[StepEstimate, offload.OffloadPlan | None]],
+               rates: DeviceRates) -> list[RungCost]:
+    """Each rung's cost from ``price_rungs``: what it saves less what its offload plan copies to the
+    host, and its recompute time with the reloads that plan does not hide."""
+    costs = []
+    for plan, (estimate, copies), seconds in zip(plans, priced, recompute_seconds(plans, rates)):
+        offloaded = 0 if copies is None else copies.offloaded_bytes
+        exposed = 0.0 if copies is None else copies.exposed_seconds
+        costs.append(RungCost(plan.saved_bytes_after - offloaded, estimate.peak_bytes, seconds + exposed, offloaded))
+    return costs
 
 
 def choose_by_limit(rungs: Sequence[RungCost], terms: StepTerms, limit_bytes: int,
