@@ -125,11 +125,10 @@ class FitPlanner:
 
     def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None, optimizer_states: int = 2,
                  parameters: Callable[[], Iterable[torch.Tensor]] = tuple, over_limit: str = "raise",
-                 scheduled: bool = True,
-                 offload: tuple[offload_module.OffloadMode, float] = (offload_module.OffloadMode.OFF, 1.0)) -> None:
+                 scheduled: bool = True, offload: OffloadStage | None = None) -> None:
         self.limit, self.rates, self.over_limit = limit, rates, over_limit
         self.scheduled = scheduled  # the schedule pass orders the backwards (fit.price_rungs)
-        self.offload_mode, self.offload_budget = offload  # the offload pass's, which prices each rung
+        self.offload = offload  # the offload pass's stage, where it runs: it prices each rung
         # The optimizer's states per parameter, and the parameters it steps besides FSDP2's (the
         # modules jitted with the transform): the first step's terms (``fit.first_step``).
         self.optimizer_states, self.parameters = optimizer_states, parameters
@@ -194,10 +193,9 @@ class FitPlanner:
     def _offloads(self, rates: DeviceRates, on_cuda: bool):
         """The offload pass's planner for a rung's pair, where that pass will run on this program
         (offload on, on CUDA or with offload_rates given: ``OffloadStage.runs_on_final``); else None."""
-        if self.offload_mode is offload_module.OffloadMode.OFF or not (on_cuda or self.rates is not None):
+        if self.offload is None or not (on_cuda or self.rates is not None):
             return None
-        return functools.partial(offload_module.plan_offload, mode=self.offload_mode, budget=self.offload_budget,
-                                 rates=rates)
+        return functools.partial(self.offload.plan, rates=rates)
 
     def _first_step(self, allocated_seen: bool) -> fit.FirstStep:
         """The first step's terms for the program compiled now (``fit.first_step``)."""
@@ -389,10 +387,14 @@ class OffloadStage(Stage):
                           "pass offload_rates to plan and run it with CPU copies")
         return False
 
+    def plan(self, forward: TraceCtx, backward: TraceCtx, rates: DeviceRates) -> offload_module.OffloadPlan:
+        """What this pass offloads of the pair, at ``rates`` (the fit prices each rung with it)."""
+        return offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates)
+
     def on_final(self, forward: TraceCtx, backward: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx]:
         # Measured once, here, inside the guard: it allocates on the device.
         rates = self.rates or measure_rates(torch.device(_cuda_devices(forward)[0]))
-        plan = offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates)
+        plan = self.plan(forward, backward, rates)
         forward, backward = offload_module.apply_offload(forward, backward, plan)
         self.plans.append(plan)
         return forward, backward

@@ -233,19 +233,20 @@ class MemoryOptimization(Transform):
         self.offload_budget = self.activation_budget if offload_budget is None else float(offload_budget)
         self.offload_rates = offload_rates
         self.host_memory_limit = host_memory_limit
-        if self.offload is not offload_module.OffloadMode.OFF:
+        offloading = self.offload is not offload_module.OffloadMode.OFF
+        if offloading:
             set_host_memory_limit(host_memory_limit)  # the process's pinned memory, as the limit bounds it
         self.head_gradients = head_gradients
         self.memory_limit = memory_limit
         self.optimizer_states = int(optimizer_states)
         self.over_limit = over_limit
+        self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
         self._fit = None if memory_limit is None else FitPlanner(
             memory_limit, offload_rates, self.optimizer_states,
             lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()), over_limit,
-            scheduled="schedule" in passes, offload=(self.offload, self.offload_budget))
+            scheduled="schedule" in passes, offload=self._offload if offloading else None)
         self._modules: list[weakref.ref[ThunderModule]] = []  # those jitted with this instance
         self._schedule = ScheduleStage()
-        self._offload = OffloadStage(self.offload, self.offload_budget, offload_rates)
         self._donation = DonationStage()
         # The stages of each pass on the post-optimization traces, in the order of PASSES.
         stages_of = {
@@ -254,7 +255,7 @@ class MemoryOptimization(Transform):
             "schedule": (self._schedule,),
         }
         self._stages = [s for p in self.passes for s in stages_of.get(p, ())]
-        if self.offload is not offload_module.OffloadMode.OFF:
+        if offloading:
             self._stages.append(self._offload)
         if "donate" in self.passes:  # last: it reads the saved set that offload leaves
             self._stages.append(self._donation)

@@ -460,10 +460,6 @@ def _scale_meta(grad, grad_hidden, grad_weight, grad_bias):
             None if grad_bias is None else TensorProxy(like=grad_bias))
 
 
-def _scale_impl(grad, grad_hidden, grad_weight, grad_bias):
-    return _scale_(grad, grad_hidden, grad_weight, grad_bias)
-
-
 def _scaled(grad, *grads):
     """The unit gradients times ``grad``, as new tensors (None stays None)."""
     products = iter(_run(scaled, grad, *(g for g in grads if g is not None)))
@@ -502,7 +498,7 @@ head_forward_with_gradients = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_forward_with_gradients", meta=_with_gradients_meta, fn=_with_gradients_impl,
     tags=_TAGS)
 head_scale_gradients = linear_cross_entropy_ex.register_operator(
-    "memopt_linear_cross_entropy_scale_gradients", meta=_scale_meta, fn=_scale_impl)
+    "memopt_linear_cross_entropy_scale_gradients", meta=_scale_meta, fn=_scale_)
 head_forward_logits_with_gradients = linear_cross_entropy_ex.register_operator(
     "memopt_linear_cross_entropy_forward_and_logits_with_gradients", meta=_logits_with_gradients_meta,
     fn=_logits_with_gradients_impl, tags=_TAGS)
