@@ -217,6 +217,43 @@ def test_with_offload_each_rung_is_priced_as_the_offload_pass_leaves_it(monkeypa
     assert slow.rungs[0].recompute_seconds > slow.rungs[slow.rung].recompute_seconds  # the reloads exposed
 
 
+def test_offload_copies_keep_within_the_host_limit_and_the_fit_prices_what_stays(monkeypatch):
+    """Each call's copies take at most the program's share of the pinned host limit: the offload
+    pass keeps the rest on the device, and the fit prices each rung so. Over the fast link that
+    lets the default rung fit above, a host limit below every candidate tensor holds no copy, and
+    the limit takes a rung with recompute, as without offload; a host limit of half the default
+    rung's copies lets the pass copy at most that."""
+    from thunder_memopt.core.cost import DeviceRates
+    from thunder_memopt.passes import offload
+
+    monkeypatch.setattr(offload, "MIN_BYTES", 1)
+    probe = _probe()
+    limit = probe.predicted_peaks[0] - 1
+    link = DeviceRates(to_host=5e15, to_device=5e15, flops=600e12, memory=4e12)
+    every = {}
+    for host in (1, None, "half"):
+        if host == "half":
+            host = every[None].rungs[0].offloaded_bytes // 2
+        memopt = MemoryOptimization(memory_limit=limit, optimizer_states=0, offload="budget", offload_budget=0.0,
+                                    offload_rates=link, over_limit="lowest",
+                                    **({} if host is None else {"host_memory_limit": host}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no copy reaches the executor's host limit
+            _Training(memopt).step()
+        (choice,) = memopt.fit_report.choices
+        (plan,) = memopt.offload_plans
+        assert plan.offloaded_bytes == choice.rungs[choice.rung].offloaded_bytes
+        assert all(r.offloaded_bytes <= (host or r.offloaded_bytes) for r in choice.rungs)
+        every[host] = choice
+    nothing, unbounded = every[1], every[None]
+    assert [r.offloaded_bytes for r in nothing.rungs] == [0] * len(nothing.rungs)
+    assert nothing.predicted_peaks == probe.predicted_peaks
+    assert nothing.rung == fit.choose_by_limit(probe.rungs, probe.terms, limit).rung > 0 and nothing.fits
+    assert unbounded.rung == 0 and unbounded.fits
+    half = next(c for h, c in every.items() if h not in (1, None))
+    assert 0 < half.rungs[0].offloaded_bytes < unbounded.rungs[0].offloaded_bytes
+
+
 def test_a_step_over_the_limit_is_planned_again_once():
     probe = _probe()
     limit = probe.predicted_peaks[0]  # the default plan fits, just

@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from thunder_memopt.core.cost import DeviceRates, measure_rates
 from thunder_memopt.core.memory import backward_storages, simulated_strides
 from thunder_memopt.core.trace import saved_proxies
+from thunder_memopt.executors import offload as offload_executor
 from thunder_memopt.executors.fusion import InductorFusionExecutor
 from thunder_memopt.passes import collectives, donate, fit, recompute, schedule
 from thunder_memopt.passes import offload as offload_module
@@ -151,18 +152,20 @@ class FitPlanner:
         memory = fit.device_memory(device)
         limit = fit.resolve_memory_limit(self.limit, memory)
         rates = self.rates or (measure_rates(device) if memory is not None else fit.NOMINAL_RATES)
+        key = self.key(forward)
+        first_plan = key not in self.statics
+        if first_plan:
+            self.first_steps[key] = self._first_step(memory is not None)
+            self.calls.setdefault(key, self.first_steps[key].calls)
         priced = fit.price_rungs(plans, forward, backward, scheduled=self.scheduled,
-                                 offloads=self._offloads(rates, memory is not None))
+                                 offloads=self._offloads(key, rates, memory is not None))
         estimates = [estimate for estimate, _ in priced]
         rungs = fit.rung_costs(plans, priced, rates)
-        key = self.key(forward)
-        if key not in self.statics:
+        if first_plan:
             # A second plan keeps the first plan's static term: the margin is the measured error of a
             # prediction made with it. Read again at the recompile, it would count twice what was made
             # in between (AdamW's states, after the first optimizer step), which the margin holds.
             self.statics[key] = estimates[0].forward.input_bytes if memory is None else memory.allocated
-            self.first_steps[key] = self._first_step(memory is not None)
-            self.calls.setdefault(key, self.first_steps[key].calls)
             # What each program planned before this one saved per call then: on CUDA in this one's
             # static term, the allocator's bytes; not in the trace's inputs (CPU, meta), where the
             # static term takes them from nothing, over their calls (``_static``).
@@ -190,11 +193,13 @@ class FitPlanner:
         self.device = device
         return choice.rung
 
-    def _offloads(self, rates: DeviceRates, on_cuda: bool):
-        """The offload pass's planner for a rung's pair, where that pass will run on this program
-        (offload on, on CUDA or with offload_rates given: ``OffloadStage.runs_on_final``); else None."""
+    def _offloads(self, key: tuple, rates: DeviceRates, on_cuda: bool):
+        """The offload pass's planner for a rung's pair, where that pass will run on program ``key``
+        (offload on, on CUDA or with offload_rates given: ``OffloadStage.runs_on_final``), within its
+        share of the host (``_host_bytes_per_call``), which the pass then keeps to; else None."""
         if self.offload is None or not (on_cuda or self.rates is not None):
             return None
+        self.offload.host_bytes = self._host_bytes_per_call(key)
         return functools.partial(self.offload.plan, rates=rates)
 
     def _first_step(self, allocated_seen: bool) -> fit.FirstStep:
@@ -210,6 +215,12 @@ class FitPlanner:
         first = self.first_steps[key]
         return fit.StepTerms(self._static(key, saved), self.calls.get(key, 1), self.margin_bytes, first.bytes,
                              first.call_gathered_bytes, first.call_gradient_bytes)
+
+    def _host_bytes_per_call(self, key: tuple) -> int:
+        """What one call of program ``key`` may copy to the host: the process's pinned host limit less
+        what the other programs' copies take at their rungs, over this one's calls."""
+        others = sum(self.calls.get(q, 1) * c.rungs[c.rung].offloaded_bytes for q, c in self.choices.items() if q != key)
+        return max(0, offload_executor.host_memory_limit() - others) // self.calls.get(key, 1)
 
     def _saved_per_call(self) -> dict[tuple, int]:
         """What each program planned so far saves per call at its rung."""
@@ -369,6 +380,10 @@ class OffloadStage(Stage):
 
     def __init__(self, mode: offload_module.OffloadMode, budget: float, rates: DeviceRates | None) -> None:
         self.mode, self.budget, self.rates = mode, budget, rates
+        # What one call of the program compiled now may copy to the host: the fit's share of the
+        # pinned host limit, set where it prices this program's rungs (Thunder transforms a program's
+        # forward, backward and final pair in one compile); None without memory_limit.
+        self.host_bytes: int | None = None
         self.plans: list[offload_module.OffloadPlan] = []
         self._warned_on_cpu = False
 
@@ -389,7 +404,8 @@ class OffloadStage(Stage):
 
     def plan(self, forward: TraceCtx, backward: TraceCtx, rates: DeviceRates) -> offload_module.OffloadPlan:
         """What this pass offloads of the pair, at ``rates`` (the fit prices each rung with it)."""
-        return offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates)
+        return offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates,
+                                           host_bytes=self.host_bytes)
 
     def on_final(self, forward: TraceCtx, backward: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx]:
         # Measured once, here, inside the guard: it allocates on the device.

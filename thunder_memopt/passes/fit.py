@@ -53,7 +53,11 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   each rung's backward in the order that pass runs it (``price_rungs``). With offload on, each rung
   is priced as the offload pass would leave it: its plan's copies off the device (``saved`` less
   what it offloads), and the reloads it cannot hide added to the rung's time. So a rung with less
-  recompute can fit where the offload pass moves enough of what it keeps to the host.
+  recompute can fit where the offload pass moves enough of what it keeps to the host. Each call's
+  copies take at most the program's share of the process's pinned host limit
+  (``host_memory_limit``, whose "auto" is split over the node's ranks by ``LOCAL_WORLD_SIZE``): that
+  limit less the other programs' copies, over the program's calls (``stages.FitPlanner``); the
+  offload pass keeps the rest on the device, and the rung is priced so.
 - Programs planned later: on CUDA a program's static term holds what the programs planned before
   it saved (a loss head compiled after every Block counts every Block's), so a rung of the Block
   also moves the head's peak. A program takes the rung under which its own prediction and those of

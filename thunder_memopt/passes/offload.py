@@ -34,9 +34,11 @@ least ``min_bytes`` (``MIN_BYTES``, 1 MiB) are candidates: at 0.0 the smaller on
 The memory model counts what is on the GPU: a host copy takes no device bytes, a reloaded tensor
 its bytes from its reload on.
 
-The plan does not count host memory: how many programs' copies are alive together is known only
-when the step runs, so the executor holds each copy against the process's host limit there, and
-keeps on the device what would pass it (executors/offload.py).
+Host memory: under ``memory_limit`` the fit gives each program a share of the process's pinned host
+limit, over its calls per step (``host_bytes``), and the plan keeps within it. Without it, how many
+programs' copies are alive together is known only when the step runs, so the executor holds each
+copy against the host limit there, and keeps on the device what would pass it
+(executors/offload.py).
 """
 
 from __future__ import annotations
@@ -256,26 +258,31 @@ def _is_chained(forward: TraceCtx, backward: TraceCtx) -> bool:
 
 
 def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, budget: float,
-                 rates: DeviceRates, min_bytes: int | None = None) -> OffloadPlan:
+                 rates: DeviceRates, min_bytes: int | None = None, host_bytes: int | None = None) -> OffloadPlan:
     """Which saved tensors of the pair to offload, and where the forward lets each go (see the
     module docstring); ``min_bytes``, the smallest tensor offloaded, defaults to ``MIN_BYTES`` (read
-    when called)."""
+    when called). ``host_bytes``: the host memory one run of the pair's copies may take (the fit's
+    share of the pinned host limit); a tensor whose copy would pass it stays on the device."""
     pair = _Pair.of(forward, backward, rates)
     chained = _is_chained(forward, backward)
     candidates, activation_bytes = _candidates(forward, pair, MIN_BYTES if min_bytes is None else min_bytes)
     largest_first = sorted(candidates, key=lambda c: -c.nbytes)
     chosen: list[_Candidate] = []
+
+    def host_holds(c: _Candidate) -> bool:
+        return host_bytes is None or sum(x.nbytes for x in chosen) + c.nbytes <= host_bytes
+
     if mode is not OffloadMode.OFF:
         for c in largest_first:
             hidden, delay = _exposed([*chosen, c], pair, rates, chained=chained)
-            if hidden and delay == 0.0:
+            if hidden and delay == 0.0 and host_holds(c):
                 chosen.append(c)
     if mode is OffloadMode.BUDGET:
         kept = activation_bytes - sum(c.nbytes for c in chosen)
         for c in largest_first:
             if kept <= budget * activation_bytes:
                 break
-            if c not in chosen:
+            if c not in chosen and host_holds(c):
                 chosen.append(c)
                 kept -= c.nbytes
     chosen.sort(key=lambda c: c.produced)
