@@ -219,7 +219,7 @@ class FitPlanner:
     def _host_bytes_per_call(self, key: tuple) -> int:
         """What one call of program ``key`` may copy to the host: the process's pinned host limit less
         what the other programs' copies take at their rungs, over this one's calls."""
-        others = sum(self.calls.get(q, 1) * c.rungs[c.rung].offloaded_bytes for q, c in self.choices.items() if q != key)
+        others = sum(self.calls.get(q, 1) * c.rungs[c.rung].pinned_bytes for q, c in self.choices.items() if q != key)
         return max(0, offload_executor.host_memory_limit() - others) // self.calls.get(key, 1)
 
     def _saved_per_call(self) -> dict[tuple, int]:

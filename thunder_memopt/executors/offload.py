@@ -90,7 +90,7 @@ from thunder_memopt.core.memory import HOST_MEMORY
 __all__ = ["offload_ex", "offload", "offload_wait", "offload_release", "reload", "wait_reload", "host_copy_proxy",
            "next_to_prefetch", "activity_recorded", "OffloadActivity", "WAIT_KINDS", "HostMemoryLimit",
            "AUTO_HOST_FRACTION", "check_host_memory_limit", "set_host_memory_limit", "host_memory_limit",
-           "offload_state", "OffloadState"]
+           "pinned_block_bytes", "offload_state", "OffloadState"]
 
 offload_ex = OperatorExecutor("memopt_offload")
 register_executor(offload_ex)
@@ -327,12 +327,16 @@ def _buffer_elements(t: torch.Tensor) -> tuple[int, int]:
     return (offset * t.element_size() % 512) // t.element_size(), extent
 
 
-def _pinned_bytes(t: torch.Tensor) -> int:
-    """The pinned memory ``t``'s host copy takes: its buffer, rounded up to a power of two as torch's
+def pinned_block_bytes(nbytes: int) -> int:
+    """The pinned memory a host copy of ``nbytes`` takes: rounded up to a power of two, as torch's
     caching host allocator rounds each block."""
-    lead, extent = _buffer_elements(t)
-    nbytes = (lead + extent) * t.element_size()
     return 1 << (nbytes - 1).bit_length() if nbytes else 0
+
+
+def _pinned_bytes(t: torch.Tensor) -> int:
+    """The pinned memory ``t``'s host copy takes: its buffer, as the allocator rounds it."""
+    lead, extent = _buffer_elements(t)
+    return pinned_block_bytes((lead + extent) * t.element_size())
 
 
 def _moved(t: torch.Tensor, device: torch.device | str, stream: torch.cuda.Stream | None) -> torch.Tensor:

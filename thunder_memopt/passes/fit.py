@@ -258,6 +258,7 @@ class RungCost:
     pair_peak_bytes: int  # the program's own peak over its forward and backward (estimate_step)
     recompute_seconds: float  # its replayed symbols on the roofline, and reloads the offload exposes
     offloaded_bytes: int = 0  # of what it saves, what the offload pass copies to the host
+    pinned_bytes: int = 0  # the host memory those copies take (offload.OffloadPlan.pinned_bytes)
 
 
 @dataclass(frozen=True)
@@ -458,9 +459,10 @@ def rung_costs(plans: Sequence[RecomputePlan], priced: Sequence[tuple[StepEstima
     host, and its recompute time with the reloads that plan does not hide."""
     costs = []
     for plan, (estimate, copies), seconds in zip(plans, priced, recompute_seconds(plans, rates)):
-        offloaded = 0 if copies is None else copies.offloaded_bytes
+        offloaded, pinned = (0, 0) if copies is None else (copies.offloaded_bytes, copies.pinned_bytes)
         exposed = 0.0 if copies is None else copies.exposed_seconds
-        costs.append(RungCost(plan.saved_bytes_after - offloaded, estimate.peak_bytes, seconds + exposed, offloaded))
+        costs.append(RungCost(plan.saved_bytes_after - offloaded, estimate.peak_bytes, seconds + exposed, offloaded,
+                              pinned))
     return costs
 
 

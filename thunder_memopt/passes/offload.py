@@ -73,6 +73,7 @@ from thunder_memopt.executors.offload import (
     offload,
     offload_release,
     offload_wait,
+    pinned_block_bytes,
     reload,
     wait_reload,
 )
@@ -103,6 +104,7 @@ class OffloadPlan:
     spilled: tuple[str, ...]
     offloaded_bytes: int
     kept_bytes: int  # saved activation bytes that stay on the GPU
+    pinned_bytes: int  # the host memory the copies take, each as the pinned allocator rounds it
     to_host_hidden: bool  # every copy to the host ends before the forward does
     # The backward's wait for reloads beyond its compute (in the steady state of a chain of
     # backwards where the pair's is chained: ``_exposed``).
@@ -269,8 +271,8 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
     largest_first = sorted(candidates, key=lambda c: -c.nbytes)
     chosen: list[_Candidate] = []
 
-    def host_holds(c: _Candidate) -> bool:
-        return host_bytes is None or sum(x.nbytes for x in chosen) + c.nbytes <= host_bytes
+    def host_holds(c: _Candidate) -> bool:  # each copy as the pinned allocator rounds it, as the executor counts it
+        return host_bytes is None or sum(pinned_block_bytes(x.nbytes) for x in [*chosen, c]) <= host_bytes
 
     if mode is not OffloadMode.OFF:
         for c in largest_first:
@@ -296,6 +298,7 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
         spilled=tuple(c.name for c in chosen if c.name in spilled),
         offloaded_bytes=offloaded,
         kept_bytes=activation_bytes - offloaded,
+        pinned_bytes=sum(pinned_block_bytes(c.nbytes) for c in chosen),
         to_host_hidden=hidden,
         exposed_seconds=delay,
         rates=rates,
