@@ -188,70 +188,49 @@ def test_the_limit_takes_a_plan_that_fits_where_the_default_does_not_with_the_bu
     assert fitted[2] == budgeted[2]
 
 
-def test_with_offload_each_rung_is_priced_as_the_offload_pass_leaves_it(monkeypatch):
+def test_with_offload_each_rung_is_priced_as_the_offload_pass_leaves_it_within_the_host_limit(monkeypatch):
     """With offload on, a rung saves on the device what the offload pass keeps there, and costs its
     recompute and the reloads the pass cannot hide. At the limit under which, without offload, only
     a rung with recompute fits, the plan with every saved tensor copied to a host link fast enough
     to hide the copies takes the default rung; over a slower link, whose reloads cost more than the
-    recompute saves, a rung with recompute. The offload pass then copies what the fit priced."""
+    recompute saves, a rung with recompute. The offload pass then copies what the fit priced.
+
+    Each call's copies take at most the program's share of the pinned host limit, each as the
+    allocator rounds it: the pass keeps the rest on the device, and the fit prices each rung so. A
+    host limit below every tensor holds no copy, so over the fast link every rung is priced as
+    without offload, and the limit takes the rung it takes without offload; a host limit of half
+    the default rung's copies lets the pass copy some of them, not all."""
     from thunder_memopt.core.cost import DeviceRates
     from thunder_memopt.passes import offload
 
     monkeypatch.setattr(offload, "MIN_BYTES", 1)  # the narrow model's tensors are small
     probe = _probe()
     limit = probe.predicted_peaks[0] - 1
+    fast, slow = (DeviceRates(to_host=b, to_device=b, flops=600e12, memory=4e12) for b in (5e15, 50e9))
     taken = {}
-    for link_bytes_per_s in (5e15, 50e9):
-        link = DeviceRates(to_host=link_bytes_per_s, to_device=link_bytes_per_s, flops=600e12, memory=4e12)
-        memopt = MemoryOptimization(memory_limit=limit, optimizer_states=0, offload="budget", offload_budget=0.0,
-                                    offload_rates=link)
-        _Training(memopt).step()
-        (choice,) = memopt.fit_report.choices
-        assert choice.fits
-        assert [r.saved_bytes + r.offloaded_bytes for r in choice.rungs] == [r.saved_bytes for r in probe.rungs]
-        (plan,) = memopt.offload_plans
-        assert plan.offloaded_bytes == choice.rungs[choice.rung].offloaded_bytes > 0
-        taken[link_bytes_per_s] = choice
-    fast, slow = taken[5e15], taken[50e9]
-    assert fast.rung == 0 and slow.rung > 0
-    assert slow.rungs[0].recompute_seconds > slow.rungs[slow.rung].recompute_seconds  # the reloads exposed
-
-
-def test_offload_copies_keep_within_the_host_limit_and_the_fit_prices_what_stays(monkeypatch):
-    """Each call's copies take at most the program's share of the pinned host limit: the offload
-    pass keeps the rest on the device, and the fit prices each rung so. Over the fast link that
-    lets the default rung fit above, a host limit below every candidate tensor holds no copy, and
-    the limit takes a rung with recompute, as without offload; a host limit of half the default
-    rung's copies lets the pass copy at most that."""
-    from thunder_memopt.core.cost import DeviceRates
-    from thunder_memopt.passes import offload
-
-    monkeypatch.setattr(offload, "MIN_BYTES", 1)
-    probe = _probe()
-    limit = probe.predicted_peaks[0] - 1
-    link = DeviceRates(to_host=5e15, to_device=5e15, flops=600e12, memory=4e12)
-    every = {}
-    for host in (1, None, "half"):
+    for link, host in ((fast, None), (slow, None), (fast, 1), (fast, "half")):
         if host == "half":
-            host = every[None].rungs[0].pinned_bytes // 2
+            host = taken[fast, None].rungs[0].pinned_bytes // 2
         memopt = MemoryOptimization(memory_limit=limit, optimizer_states=0, offload="budget", offload_budget=0.0,
-                                    offload_rates=link, over_limit="lowest",
-                                    **({} if host is None else {"host_memory_limit": host}))
+                                    offload_rates=link, **({} if host is None else {"host_memory_limit": host}))
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # no copy reaches the executor's host limit
             _Training(memopt).step()
         (choice,) = memopt.fit_report.choices
+        assert choice.fits
+        assert [r.saved_bytes + r.offloaded_bytes for r in choice.rungs] == [r.saved_bytes for r in probe.rungs]
+        assert all(r.offloaded_bytes <= r.pinned_bytes <= (host or r.pinned_bytes) for r in choice.rungs)
         (plan,) = memopt.offload_plans
         assert plan.offloaded_bytes == choice.rungs[choice.rung].offloaded_bytes
-        assert all(r.offloaded_bytes <= r.pinned_bytes <= (host or r.pinned_bytes) for r in choice.rungs)
-        every[host] = choice
-    nothing, unbounded = every[1], every[None]
+        taken[link, None if host is None else host == 1] = choice
+    assert taken[fast, None].rung == 0 and taken[fast, None].rungs[0].offloaded_bytes > 0
+    assert taken[slow, None].rung > 0
+    assert taken[slow, None].rungs[0].recompute_seconds > taken[slow, None].rungs[taken[slow, None].rung].recompute_seconds
+    nothing, half = taken[fast, True], taken[fast, False]
     assert [r.offloaded_bytes for r in nothing.rungs] == [0] * len(nothing.rungs)
     assert nothing.predicted_peaks == probe.predicted_peaks
-    assert nothing.rung == fit.choose_by_limit(probe.rungs, probe.terms, limit).rung > 0 and nothing.fits
-    assert unbounded.rung == 0 and unbounded.fits
-    half = next(c for h, c in every.items() if h not in (1, None))
-    assert 0 < half.rungs[0].offloaded_bytes < unbounded.rungs[0].offloaded_bytes
+    assert nothing.rung == fit.choose_by_limit(probe.rungs, probe.terms, limit).rung > 0
+    assert 0 < half.rungs[0].offloaded_bytes < taken[fast, None].rungs[0].offloaded_bytes
 
 
 def test_a_step_over_the_limit_is_planned_again_once():
