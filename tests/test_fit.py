@@ -50,6 +50,26 @@ def test_a_margin_and_the_calls_count_in_the_peak():
     assert fit.choose_by_limit(RUNGS, StepTerms(100, 1), 160).rung == 0
 
 
+# The same ladder as the offload pass leaves it: half of each rung's saves copied to the host, the
+# reloads of rung 1 exposed for 2 s. Whole-step peaks: 100 + 3 x (saved - copied) + own peak - copied.
+OFFLOADED = tuple(RungCost(r.saved_bytes - r.saved_bytes // 2, r.pair_peak_bytes - r.saved_bytes // 2,
+                           r.recompute_seconds + exposed, r.saved_bytes // 2)
+                  for r, exposed in zip(RUNGS, (0.0, 2.0, 0.0, 0.0)))
+
+
+@pytest.mark.parametrize("limit, way, rung", [
+    (300, 0, 0),  # the default rung fits either way in 0 s: without copies
+    (200, 1, 0),  # without copies rung 3 (2.5 s); with them the default (0 s)
+    (180, 0, 3),  # with copies rung 1 (177) costs 3 s with its reloads, rung 3 2.5 s as without: without
+    (160, 1, 3),  # only with copies does a rung fit: rung 3 (151, 2.5 s), not rung 2 (155, 3 s)
+    (100, 1, 3),  # nothing fits: the lowest peak, with copies
+])
+def test_the_fastest_rung_that_fits_with_or_without_copies(limit, way, rung):
+    choices = [fit.choose_by_limit(rungs, TERMS, limit) for rungs in (RUNGS, OFFLOADED)]
+    assert choices[1].predicted_peaks == (200, 177, 155, 151)
+    assert fit.fastest_fitting(choices) == way and choices[way].rung == rung
+
+
 def test_a_lower_limit_never_gives_a_higher_predicted_peak():
     generator = torch.Generator().manual_seed(0)
     for _ in range(50):
@@ -188,49 +208,52 @@ def test_the_limit_takes_a_plan_that_fits_where_the_default_does_not_with_the_bu
     assert fitted[2] == budgeted[2]
 
 
-def test_with_offload_each_rung_is_priced_as_the_offload_pass_leaves_it_within_the_host_limit(monkeypatch):
-    """With offload on, a rung saves on the device what the offload pass keeps there, and costs its
-    recompute and the reloads the pass cannot hide. At the limit under which, without offload, only
-    a rung with recompute fits, the plan with every saved tensor copied to a host link fast enough
-    to hide the copies takes the default rung; over a slower link, whose reloads cost more than the
-    recompute saves, a rung with recompute. The offload pass then copies what the fit priced.
+def test_with_offload_the_limit_takes_the_fastest_rung_with_or_without_copies_within_the_host_limit(monkeypatch):
+    """With offload on, each rung is priced as it is and as the offload pass leaves it: what it saves
+    on the device less the copies, and its recompute with the reloads the pass cannot hide. At the
+    limit under which, without copies, only a rung with recompute fits, a host link fast enough to
+    hide the copies lets the default rung fit with them; over a slower link, whose reloads cost
+    more than the recompute saves, a rung with recompute is taken. Where the default rung fits
+    without copies, nothing is copied. The offload pass copies what the fit priced.
 
     Each call's copies take at most the program's share of the pinned host limit, each as the
     allocator rounds it: the pass keeps the rest on the device, and the fit prices each rung so. A
-    host limit below every tensor holds no copy, so over the fast link every rung is priced as
-    without offload, and the limit takes the rung it takes without offload; a host limit of half
-    the default rung's copies lets the pass copy some of them, not all."""
+    host limit below every tensor holds no copy, so every rung is priced as without offload; with
+    half the default rung's copies the limit takes a rung no slower than without copies."""
     from thunder_memopt.core.cost import DeviceRates
     from thunder_memopt.passes import offload
 
     monkeypatch.setattr(offload, "MIN_BYTES", 1)  # the narrow model's tensors are small
     probe = _probe()
-    limit = probe.predicted_peaks[0] - 1
+    tight, roomy = probe.predicted_peaks[0] - 1, probe.predicted_peaks[0]
     fast, slow = (DeviceRates(to_host=b, to_device=b, flops=600e12, memory=4e12) for b in (5e15, 50e9))
-    taken = {}
-    for link, host in ((fast, None), (slow, None), (fast, 1), (fast, "half")):
+    taken, copied = {}, {}
+    for case, link, host, limit in (("fast", fast, None, tight), ("slow", slow, None, tight),
+                                    ("no host", fast, 1, tight), ("half host", fast, "half", tight),
+                                    ("roomy", fast, None, roomy)):
         if host == "half":
-            host = taken[fast, None].rungs[0].pinned_bytes // 2
+            host = taken["fast"].rungs[0].pinned_bytes // 2
         memopt = MemoryOptimization(memory_limit=limit, optimizer_states=0, offload="budget", offload_budget=0.0,
                                     offload_rates=link, **({} if host is None else {"host_memory_limit": host}))
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # no copy reaches the executor's host limit
             _Training(memopt).step()
         (choice,) = memopt.fit_report.choices
-        assert choice.fits
+        assert choice.fits, case
         assert [r.saved_bytes + r.offloaded_bytes for r in choice.rungs] == [r.saved_bytes for r in probe.rungs]
         assert all(r.offloaded_bytes <= r.pinned_bytes <= (host or r.pinned_bytes) for r in choice.rungs)
         (plan,) = memopt.offload_plans
         assert plan.offloaded_bytes == choice.rungs[choice.rung].offloaded_bytes
-        taken[link, None if host is None else host == 1] = choice
-    assert taken[fast, None].rung == 0 and taken[fast, None].rungs[0].offloaded_bytes > 0
-    assert taken[slow, None].rung > 0
-    assert taken[slow, None].rungs[0].recompute_seconds > taken[slow, None].rungs[taken[slow, None].rung].recompute_seconds
-    nothing, half = taken[fast, True], taken[fast, False]
+        taken[case], copied[case] = choice, plan.offloaded_bytes
+    assert taken["fast"].rung == 0 and copied["fast"] > 0
+    assert taken["slow"].rung > 0
+    assert taken["roomy"].rung == 0 and copied["roomy"] == 0
+    nothing = taken["no host"]
     assert [r.offloaded_bytes for r in nothing.rungs] == [0] * len(nothing.rungs)
     assert nothing.predicted_peaks == probe.predicted_peaks
-    assert nothing.rung == fit.choose_by_limit(probe.rungs, probe.terms, limit).rung > 0
-    assert 0 < half.rungs[0].offloaded_bytes < taken[fast, None].rungs[0].offloaded_bytes
+    assert nothing.rung == fit.choose_by_limit(probe.rungs, probe.terms, tight).rung > 0
+    half = taken["half host"]
+    assert half.rungs[half.rung].recompute_seconds <= nothing.rungs[nothing.rung].recompute_seconds
 
 
 def test_a_step_over_the_limit_is_planned_again_once():

@@ -157,41 +157,53 @@ class FitPlanner:
         if first_plan:
             self.first_steps[key] = self._first_step(memory is not None)
             self.calls.setdefault(key, self.first_steps[key].calls)
-        priced = fit.price_rungs(plans, forward, backward, scheduled=self.scheduled,
-                                 offloads=self._offloads(key, rates, memory is not None))
-        estimates = [estimate for estimate, _ in priced]
-        rungs = fit.rung_costs(plans, priced, rates)
+        # Each rung priced as it is, and, where the offload pass runs, as that pass leaves it: the
+        # limit takes the fastest that fits, the rung without copies where the times tie.
+        offloads = self._offloads(key, rates, memory is not None)
+        ways = [fit.price_rungs(plans, forward, backward, scheduled=self.scheduled, offloads=w)
+                for w in ([None] if offloads is None else [None, offloads])]
         if first_plan:
             # A second plan keeps the first plan's static term: the margin is the measured error of a
             # prediction made with it. Read again at the recompile, it would count twice what was made
             # in between (AdamW's states, after the first optimizer step), which the margin holds.
-            self.statics[key] = estimates[0].forward.input_bytes if memory is None else memory.allocated
+            plain_default, _ = ways[0][0]
+            self.statics[key] = plain_default.forward.input_bytes if memory is None else memory.allocated
             # What each program planned before this one saved per call then: on CUDA in this one's
             # static term, the allocator's bytes; not in the trace's inputs (CPU, meta), where the
             # static term takes them from nothing, over their calls (``_static``).
             earlier = self._saved_per_call()
             self.before[key] = earlier if memory is not None else dict.fromkeys(earlier, 0)
         saved = self._saved_per_call()
-        terms = self._terms(key, saved)
-        # The later programs that hold this one's saved tensors in their static term (a loss head
-        # after the Blocks): their peak at each of this one's rungs.
-        later = [p for p in self.choices if p != key and key in self.before[p]]
-        others = tuple(max(self._peak(p, {**saved, key: rung.saved_bytes}) for p in later)
-                       for rung in rungs) if later else ()
-        choice = fit.choose_by_limit(rungs, terms, limit, others)
+        ladders = [fit.rung_costs(plans, priced, rates) for priced in ways]
+        choices = [self._choose_rung(key, rungs, limit, saved) for rungs in ladders]
+        way = fit.fastest_fitting(choices)
+        choice = choices[way]
         if not choice.fits:
             # With the programs planned before this one at their least saved bytes, which a second
             # plan can take (check_fit), a rung may fit: only where none does is the limit refused.
             least = {q: min(r.saved_bytes for r in c.rungs) for q, c in self.choices.items() if q != key}
-            lowest = min(fit.choose_by_limit(rungs, self._terms(key, {**saved, **least}), limit,
-                                             others).predicted_peaks)
+            lowest = min(min(self._choose_rung(key, rungs, limit, {**saved, **least}).predicted_peaks)
+                         for rungs in ladders)
             if lowest > limit and self.over_limit == "raise":
                 raise fit.MemoryLimitError(fit.refusal(limit, lowest))
             warnings.warn(f"thunder_memopt: no recompute plan fits memory_limit={limit} bytes; the lowest "
                           f"predicted peak, {choice.predicted_peak_bytes} bytes, is taken")
+        if self.offload is not None:
+            # The offload pass copies only where the limit took the rung with its copies.
+            self.offload.host_bytes = self._host_bytes_per_call(key) if way else 0
         self.choices[key] = choice
         self.device = device
         return choice.rung
+
+    def _choose_rung(self, key: tuple, rungs: list[fit.RungCost], limit: int, saved: dict[tuple, int]
+                     ) -> fit.FitChoice:
+        """``fit.choose_by_limit`` for program ``key`` where the programs save ``saved`` per call, with
+        the peaks of the later programs that hold this one's saved tensors in their static term (a
+        loss head after the Blocks) at each of its rungs."""
+        later = [p for p in self.choices if p != key and key in self.before[p]]
+        others = tuple(max(self._peak(p, {**saved, key: rung.saved_bytes}) for p in later)
+                       for rung in rungs) if later else ()
+        return fit.choose_by_limit(rungs, self._terms(key, saved), limit, others)
 
     def _offloads(self, key: tuple, rates: DeviceRates, on_cuda: bool):
         """The offload pass's planner for a rung's pair, where that pass will run on program ``key``

@@ -224,12 +224,15 @@ BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
                             "thunder+memopt-offload (a row each)")),
     # Not under thunder-fsdp: the fit's prediction and its check against the measured peak are
     # validated under FSDP2 and on one device.
-    Backend("thunder+memopt-fit", "thunder+memopt with MemoryOptimization(memory_limit=--memory-limit): each "
-                                  "compiled program takes the recompute rung with the least modelled recompute "
-                                  "whose predicted whole-step peak fits the limit; the step's measured peak is "
-                                  "checked after the warm-up, and planned again once where it is over",
-            thunder=True, thunder_fsdp=False, own_fields=("memopt_passes", "fusion", "head_gradients", "over_limit"),
-            compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True, fit=True),
+    Backend("thunder+memopt-fit", "thunder+memopt with MemoryOptimization(memory_limit=--memory-limit, "
+                                  "offload='auto'): each compiled program takes the recompute rung with the least "
+                                  "modelled recompute, with the offload copies that hide or without copies, whose "
+                                  "predicted whole-step peak fits the limit; the step's measured peak is checked "
+                                  "after the warm-up, and planned again once where it is over",
+            thunder=True, thunder_fsdp=False,
+            own_fields=("memopt_passes", "fusion", "head_gradients", "over_limit", "host_memory_limit"),
+            compile=functools.partial(thunder_compiled, memopt_executors=True, memory_optimization=True, fit=True,
+                                      offload="auto"),
             budgets=Budgets("--memory-limit", (40.0,),
                             "MemoryOptimization(memory_limit=...) for thunder+memopt-fit, in GiB (2**30 bytes, "
                             "also on CPU) or auto (what the CUDA device allows), a row each; left unset, 40 "

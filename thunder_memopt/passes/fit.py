@@ -53,7 +53,10 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   each rung's backward in the order that pass runs it (``price_rungs``). With offload on, each rung
   is priced as the offload pass would leave it: its plan's copies off the device (``saved`` less
   what it offloads), and the reloads it cannot hide added to the rung's time. So a rung with less
-  recompute can fit where the offload pass moves enough of what it keeps to the host. Each call's
+  recompute can fit where the offload pass moves enough of what it keeps to the host. Each rung is
+  also priced without the copies, and the limit takes the fastest rung that fits either way, without
+  the copies where the times tie (``fastest_fitting``): the pass then copies nothing of a program
+  that fits as fast without. Each call's
   copies take at most the program's share of the process's pinned host limit
   (``host_memory_limit``, whose "auto" is split over the node's ranks by ``LOCAL_WORLD_SIZE``): that
   limit less the other programs' copies, over the program's calls (``stages.FitPlanner``); the
@@ -127,6 +130,7 @@ __all__ = [
     "price_rungs",
     "rung_costs",
     "choose_by_limit",
+    "fastest_fitting",
     "checked_over_limit",
     "refusal",
     "check_fit",
@@ -484,6 +488,16 @@ def choose_by_limit(rungs: Sequence[RungCost], terms: StepTerms, limit_bytes: in
     else:
         k = min(range(len(rungs)), key=lambda k: (peaks[k], rungs[k].recompute_seconds, k))
     return dataclasses.replace(choice, rung=k)
+
+
+def fastest_fitting(choices: Sequence[FitChoice]) -> int:
+    """Of one program's choices, each from the same ladder priced another way (without offload, then
+    with it), the index of the one to take: of those that fit, the least recompute time (ties: the
+    earlier); where none fits, the lowest predicted peak."""
+    fitting = [i for i, c in enumerate(choices) if c.fits]
+    if fitting:
+        return min(fitting, key=lambda i: (choices[i].rungs[choices[i].rung].recompute_seconds, i))
+    return min(range(len(choices)), key=lambda i: (choices[i].predicted_peak_bytes, i))
 
 
 @dataclass(frozen=True)
