@@ -19,13 +19,22 @@ import torch
 from thunder_memopt.plan import plan_step, trace_programs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-# (file, the row's commit): litgpt rows of FSDP2 at one rank and SIMULATED 8 and 64 ranks.
+# (file, the row's commit): litgpt rows of FSDP2 at one rank and SIMULATED 8 and 64 ranks (one under
+# a 45 GiB cap); transformers rows of FSDP2 at one rank and of the whole model on one device.
 ROWS = (
     ("stablecode_32l_zero2_1xH200_per_token.jsonl", "8611a0e"),
     ("stablecode_8l_zero2_1xH200_T8192_pareto.jsonl", "274ebb3"),
     ("stablecode_32l_zero2_sim8.jsonl", "6db2fb4-dirty"),
     ("llama3_8b_32l_zero2_sim8_T8192_budgets.jsonl", "274ebb3"),
+    ("llama3_8b_32l_zero2_sim8_1xH100_T8192_cap45.jsonl", "c2c6b3f-dirty"),
     ("llama3_70b_80l_zero3_sim64_T8192_budget0.jsonl", "858ecda"),
+    ("hf_qwen3_8b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
+    ("hf_gemma_2_2b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
+    ("hf_qwen3_8b_4l_none_1xH100_T8192.jsonl", "4c0ccd0-dirty"),
+    ("hf_mistral_7b_v0_3_4l_none_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
+    ("hf_phi_3_mini_4l_none_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
+    ("hf_gemma_2_2b_4l_none_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
+    ("hf_granite_3_8b_4l_none_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
 )
 GiB = 2**30
 
@@ -40,12 +49,17 @@ def _rows() -> list[dict]:
                     or row.get("memopt_commit") != commit or row.get("offload_keep") is not None
                     or row.get("head_gradients") is not None):
                 continue
-            key = (row["model"], row["n_layer"], row["block_size"], row["world_size"], row["shard_mode"],
+            key = (row["model"], row["n_layer"], row["block_size"], row["world_size"], _shard_mode(row),
                    row["budget"])
             if key not in seen:
                 seen.add(key)
                 rows.append({**row, "file": name})
     return rows
+
+
+def _shard_mode(row: dict) -> str:
+    """FSDP2's shard mode, or "none" where the row compiled the whole model on one device."""
+    return "none" if row.get("distributed_mode") == "none" else row["shard_mode"]
 
 
 def main() -> None:
@@ -54,20 +68,23 @@ def main() -> None:
     print("| model | layers | T | ranks | shard | budget | measured GiB | predicted GiB | error | row |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in _rows():
-        key = (row["model"], row["block_size"], row["micro_batch_size"])
+        source = row.get("model_source", "litgpt")
+        key = (source, row["model"], row["block_size"], row["micro_batch_size"])
         if key not in traced:
             traced[key] = trace_programs(row["model"], n_embd=None, block_size=row["block_size"],
-                                         micro_batch_size=row["micro_batch_size"], dtype=torch.bfloat16)
+                                         micro_batch_size=row["micro_batch_size"], dtype=torch.bfloat16,
+                                         source=source)
         layout, block, head = traced[key]
         plan = plan_step(layout, block, head, n_layer=row["n_layer"], world_size=row["world_size"],
-                         shard_mode=row["shard_mode"], micro_batch_size=row["micro_batch_size"],
+                         shard_mode=_shard_mode(row), micro_batch_size=row["micro_batch_size"],
                          block_size=row["block_size"], dtype=torch.bfloat16, optimizer_states=2, limit_bytes=1 << 50)
         name = f"thunder+memopt @{row['budget']:g}"
         if name not in plan.settings:
             continue
         measured, predicted = row["peak_alloc_rank0"], plan.settings[name]
         ranks = f"{row['world_size']}" + (" (simulated)" if row.get("simulated") else "")
-        print(f"| {row['model']} | {row['n_layer']} | {row['block_size']} | {ranks} | {row['shard_mode']} | "
+        model = row["model"] + (" (transformers)" if source != "litgpt" else "")
+        print(f"| {model} | {row['n_layer']} | {row['block_size']} | {ranks} | {_shard_mode(row)} | "
               f"{row['budget']:g} | {measured / GiB:.2f} | {predicted / GiB:.2f} | "
               f"{100 * (predicted - measured) / measured:+.1f}% | {row['file']} ({row['memopt_commit']}) |", flush=True)
 
