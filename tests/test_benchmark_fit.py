@@ -131,7 +131,15 @@ def test_the_fit_fields_of_a_plan_and_its_checks():
         "fit_limit_bytes": 1000, "fit_predicted_peak_bytes": max(block.predicted_peak_bytes, head.predicted_peak_bytes),
         "fit_measured_peak_bytes": None, "fit_replanned": False, "fit_margin_bytes": 0, "fit_fits": True,
         "fit_checks": [], "fit_programs": 2, "fit_rungs": [1, 0], "fit_ladder_rungs": [3, 1],
-        "fit_saved_bytes": [50, 30], "fit_saved_bytes_total": 80}
+        "fit_saved_bytes": [50, 30], "fit_saved_bytes_total": 80,
+        # The Block's own peak: 100 static + 3 other calls x 50 saved + its pair's 100; the head's: 600 + 200.
+        "fit_terms": [
+            {"static_bytes": 100, "first_step_bytes": 0, "calls": 4, "call_gathered_bytes": 0,
+             "call_gradient_bytes": 0, "saved_bytes": 50, "pair_peak_bytes": 100, "offloaded_bytes": 0,
+             "margin_bytes": 0, "peak_bytes": 350, "predicted_peak_bytes": 350},
+            {"static_bytes": 600, "first_step_bytes": 0, "calls": 1, "call_gathered_bytes": 0,
+             "call_gradient_bytes": 0, "saved_bytes": 30, "pair_peak_bytes": 200, "offloaded_bytes": 0,
+             "margin_bytes": 0, "peak_bytes": 800, "predicted_peak_bytes": 800}]}
     over = FitCheck(limit_bytes=1000, predicted_bytes=800, measured_bytes=1100, replan=True, margin_bytes=300)
     under = FitCheck(limit_bytes=1000, predicted_bytes=990, measured_bytes=995, replan=False, margin_bytes=300)
     fields = fit_rows.fit_fields(_report(margin=300), [over, under])

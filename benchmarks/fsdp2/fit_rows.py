@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from thunder_memopt.passes.fit import FitCheck, FitReport
+    from thunder_memopt.passes.fit import FitCheck, FitChoice, FitReport
 
 
 def check_fields(check: FitCheck) -> dict[str, Any]:
@@ -24,14 +24,26 @@ def check_fields(check: FitCheck) -> dict[str, Any]:
             "replan": check.replan, "margin_bytes": check.margin_bytes}
 
 
+def term_fields(choice: FitChoice) -> dict[str, int]:
+    """One program's terms of its predicted whole-step peak at the rung it took (``fit.StepTerms``),
+    to tell which term a prediction's error is in."""
+    terms, rung = choice.terms, choice.rungs[choice.rung]
+    return {"static_bytes": terms.static_bytes, "first_step_bytes": terms.first_step_bytes, "calls": terms.calls,
+            "call_gathered_bytes": terms.call_gathered_bytes, "call_gradient_bytes": terms.call_gradient_bytes,
+            "saved_bytes": rung.saved_bytes, "pair_peak_bytes": rung.pair_peak_bytes,
+            "offloaded_bytes": rung.offloaded_bytes, "margin_bytes": terms.margin_bytes,
+            "peak_bytes": terms.peak(rung), "predicted_peak_bytes": choice.predicted_peak_bytes}
+
+
 def fit_fields(report: FitReport, checks: Sequence[FitCheck]) -> dict[str, Any]:
     """The row's fields for the plan in ``report`` and the ``checks`` made after the warm-up, in
     order (none on CPU, where there is no allocator peak to check).
 
     The predicted peak is the last check's (each program's calls per step counted, the margin
     included); without a check, the plan's own. Per program, in compile order: the rung taken, of
-    how many, and the bytes one call saves for its backward at that rung; ``fit_saved_bytes_total``
-    sums those over the programs (one call each)."""
+    how many, and the bytes one call saves for its backward at that rung (``fit_saved_bytes_total``
+    sums those over the programs, one call each), and the terms of its prediction (``term_fields``;
+    ``peak_bytes`` its own, ``predicted_peak_bytes`` with the later programs its saves raise)."""
     last = checks[-1] if checks else None
     saved = [choice.rungs[choice.rung].saved_bytes for choice in report.choices]
     return {
@@ -48,4 +60,5 @@ def fit_fields(report: FitReport, checks: Sequence[FitCheck]) -> dict[str, Any]:
         "fit_ladder_rungs": [len(choice.rungs) for choice in report.choices],
         "fit_saved_bytes": saved,
         "fit_saved_bytes_total": sum(saved),
+        "fit_terms": [term_fields(choice) for choice in report.choices],
     }
