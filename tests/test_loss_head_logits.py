@@ -68,6 +68,21 @@ def test_gradients_from_the_whole_logits_match_autograd(monkeypatch, vocab, step
         torch.testing.assert_close(got, want, **FP32_GRAD)
 
 
+@pytest.mark.parametrize("steps", [(), SOFTCAP], ids=["plain", "softcap"])
+def test_the_loss_is_the_same_bits_at_any_chunk_size_and_in_every_mode(steps):
+    """The loss is summed once over every token's log-sum-exp and target logit, not per chunk: the
+    head that recomputes its logits (chunks of 64 and 128 tokens), the one that computes its
+    gradients in the forward (one chunk of 300) and the one that also returns its logits give the
+    same bits."""
+    hidden, weight, targets, _ = _head(1000, steps)
+    options = (None, targets, -100, "mean")
+    with torch.no_grad():
+        losses = [cce._forward(hidden, weight, *options, steps, chunk, torch.float32)[0] for chunk in (64, 128)]
+        losses.append(cce._forward_with_gradients(hidden, weight, *options, steps, 300, torch.float32)[0])
+        losses.append(cce._logits_with_gradients_impl(hidden, weight, *options, 64, steps, cce.dtypes.float32)[0])
+    assert all(torch.equal(loss, losses[0]) for loss in losses), losses
+
+
 def test_a_logits_gradient_of_zeros_or_none_costs_no_matmul_in_the_backward(monkeypatch):
     """Autograd hands a result that nothing used a gradient of zeros (or Thunder None): the backward
     only scales what the forward computed, bit for bit and in place (the memory model reads its

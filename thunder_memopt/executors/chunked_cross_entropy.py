@@ -138,19 +138,23 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chun
     logits a slice of rows of ``logits``, the head's (N, V) matmul, where given (``steps`` applied
     to them per chunk: () where they are the model's logits already)."""
     n = hidden.shape[0]
-    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    lse, picked = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
+    valid = targets != ignore_index
+    target = torch.where(valid, targets, 0)
     for start, stop in spans(n, chunk):
         rows = slice(start, stop)
         logits_chunk = _chunk_logits(hidden, weight, bias, rows) if logits is None else logits[rows]
-        t = targets[start:stop]
-        valid = t != ignore_index
-        lse[start:stop], picked = _run(_lse_and_target_logit, logits_chunk, torch.where(valid, t, 0), steps=steps)
+        lse[rows], picked[rows] = _run(_lse_and_target_logit, logits_chunk, target[rows], steps=steps)
         del logits_chunk
-        total += torch.where(valid, lse[start:stop] - picked, 0.0).sum()
-    if reduction == "mean":
-        total = total / (targets != ignore_index).sum()
-    return total.to(out_dtype), lse
+    return _loss(lse, picked, valid, reduction).to(out_dtype), lse
+
+
+def _loss(lse, picked, valid, reduction):
+    """The loss from every token's log-sum-exp and target logit, summed once over all tokens: the
+    same bits at any chunk size, so the head's modes agree, and a few kernels per step rather than
+    a few per chunk. With every target ignored the mean is 0 / 0 (NaN), as cross_entropy's."""
+    total = torch.where(valid, lse - picked, 0.0).sum()
+    return total / valid.sum() if reduction == "mean" else total
 
 
 def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk, out_dtype):
@@ -169,17 +173,16 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
     # With every target ignored the mean loss is 0 / 0 (NaN, as cross_entropy's) but the gradients are
     # zeros: no row is scaled by 1 / 0.
     row_scale = valid.float() / count.clamp(min=1) if reduction == "mean" else valid.float()
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    lse, picked = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
     logits_grad = _logits_buffer(n, weight.shape[0], hidden)
     for start, stop in spans(n, chunk):
-        logits = _linear(hidden[start:stop], weight, bias, out=logits_grad[start:stop])
-        lse, picked = _run(_loss_terms_and_logits_grad_, logits, target[start:stop], valid[start:stop],
-                           row_scale[start:stop], steps=steps)
-        total += torch.where(valid[start:stop], lse - picked, 0.0).sum()
-    if reduction == "mean":
-        total = total / count
+        rows = slice(start, stop)
+        logits = _linear(hidden[rows], weight, bias, out=logits_grad[rows])
+        lse[rows], picked[rows] = _run(_loss_terms_and_logits_grad_, logits, target[rows], valid[rows],
+                                       row_scale[rows], steps=steps)
     grad_bias = None if bias is None else logits_grad.sum(0, dtype=torch.float32).to(bias.dtype)
-    return total.to(out_dtype), logits_grad @ weight, logits_grad.t() @ hidden, grad_bias
+    return (_loss(lse, picked, valid, reduction).to(out_dtype), logits_grad @ weight, logits_grad.t() @ hidden,
+            grad_bias)
 
 
 def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk,
