@@ -157,9 +157,11 @@ class FitPlanner:
         if first_plan:
             self.first_steps[key] = self._first_step(memory is not None)
             self.calls.setdefault(key, self.first_steps[key].calls)
-        # Each rung priced as it is, and, where the offload pass runs, as that pass leaves it: the
-        # limit takes the fastest that fits, the rung without copies where the times tie.
-        offloads = self._offloads(key, rates, memory is not None)
+        # Each rung priced as it is, and, where the offload pass runs with room on the host, as that
+        # pass leaves it: the limit takes the fastest that fits, the rung without copies where the
+        # times tie.
+        share = self._host_bytes_per_call(key) if self._offload_runs(memory is not None) else 0
+        offloads = functools.partial(self.offload.plan, rates=rates, host_bytes=share) if share else None
         ways = [fit.price_rungs(plans, forward, backward, scheduled=self.scheduled, offloads=w)
                 for w in ([None] if offloads is None else [None, offloads])]
         if first_plan:
@@ -190,7 +192,7 @@ class FitPlanner:
                           f"predicted peak, {choice.predicted_peak_bytes} bytes, is taken")
         if self.offload is not None:
             # The offload pass copies only where the limit took the rung with its copies.
-            self.offload.host_bytes = self._host_bytes_per_call(key) if way else 0
+            self.offload.host_bytes = share if way else 0
         self.choices[key] = choice
         self.device = device
         return choice.rung
@@ -205,14 +207,10 @@ class FitPlanner:
                        for rung in rungs) if later else ()
         return fit.choose_by_limit(rungs, self._terms(key, saved), limit, others)
 
-    def _offloads(self, key: tuple, rates: DeviceRates, on_cuda: bool):
-        """The offload pass's planner for a rung's pair, where that pass will run on program ``key``
-        (offload on, on CUDA or with offload_rates given: ``OffloadStage.runs_on_final``), within its
-        share of the host (``_host_bytes_per_call``), which the pass then keeps to; else None."""
-        if self.offload is None or not (on_cuda or self.rates is not None):
-            return None
-        self.offload.host_bytes = self._host_bytes_per_call(key)
-        return functools.partial(self.offload.plan, rates=rates)
+    def _offload_runs(self, on_cuda: bool) -> bool:
+        """Whether the offload pass will run on the program planned now: offload on, on CUDA or with
+        offload_rates given (``OffloadStage.runs_on_final``)."""
+        return self.offload is not None and (on_cuda or self.rates is not None)
 
     def _first_step(self, allocated_seen: bool) -> fit.FirstStep:
         """The first step's terms for the program compiled now (``fit.first_step``)."""
@@ -393,8 +391,9 @@ class OffloadStage(Stage):
     def __init__(self, mode: offload_module.OffloadMode, budget: float, rates: DeviceRates | None) -> None:
         self.mode, self.budget, self.rates = mode, budget, rates
         # What one call of the program compiled now may copy to the host: the fit's share of the
-        # pinned host limit, set where it prices this program's rungs (Thunder transforms a program's
-        # forward, backward and final pair in one compile); None without memory_limit.
+        # pinned host limit where it took a rung with copies, else 0, set where it chooses this
+        # program's rung (Thunder transforms a program's forward, backward and final pair in one
+        # compile); None without memory_limit.
         self.host_bytes: int | None = None
         self.plans: list[offload_module.OffloadPlan] = []
         self._warned_on_cpu = False
@@ -414,15 +413,17 @@ class OffloadStage(Stage):
                           "pass offload_rates to plan and run it with CPU copies")
         return False
 
-    def plan(self, forward: TraceCtx, backward: TraceCtx, rates: DeviceRates) -> offload_module.OffloadPlan:
-        """What this pass offloads of the pair, at ``rates`` (the fit prices each rung with it)."""
+    def plan(self, forward: TraceCtx, backward: TraceCtx, rates: DeviceRates,
+             host_bytes: int | None = None) -> offload_module.OffloadPlan:
+        """What this pass offloads of the pair, at ``rates``, copying at most ``host_bytes`` (the fit
+        prices each rung with it, at the program's share of the host)."""
         return offload_module.plan_offload(forward, backward, mode=self.mode, budget=self.budget, rates=rates,
-                                           host_bytes=self.host_bytes)
+                                           host_bytes=host_bytes)
 
     def on_final(self, forward: TraceCtx, backward: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx]:
         # Measured once, here, inside the guard: it allocates on the device.
         rates = self.rates or measure_rates(torch.device(_cuda_devices(forward)[0]))
-        plan = self.plan(forward, backward, rates)
+        plan = self.plan(forward, backward, rates, self.host_bytes)
         forward, backward = offload_module.apply_offload(forward, backward, plan)
         self.plans.append(plan)
         return forward, backward
