@@ -10,6 +10,7 @@ limit after its warm-up plans again and compiles the second plan, as the worker 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -139,7 +140,9 @@ def test_the_fit_fields_of_a_plan_and_its_checks():
              "margin_bytes": 0, "peak_bytes": 350, "predicted_peak_bytes": 350},
             {"static_bytes": 600, "first_step_bytes": 0, "calls": 1, "call_gathered_bytes": 0,
              "call_gradient_bytes": 0, "saved_bytes": 30, "pair_peak_bytes": 200, "offloaded_bytes": 0,
-             "margin_bytes": 0, "peak_bytes": 800, "predicted_peak_bytes": 800}]}
+             "margin_bytes": 0, "peak_bytes": 800, "predicted_peak_bytes": 800}],
+        "fit_allocator_fraction": None}
+    assert fit_rows.fit_fields(dataclasses.replace(report, allocator_fraction=0.5), [])["fit_allocator_fraction"] == 0.5
     over = FitCheck(limit_bytes=1000, predicted_bytes=800, measured_bytes=1100, replan=True, margin_bytes=300)
     under = FitCheck(limit_bytes=1000, predicted_bytes=990, measured_bytes=995, replan=False, margin_bytes=300)
     fields = fit_rows.fit_fields(_report(margin=300), [over, under])

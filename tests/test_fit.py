@@ -105,6 +105,14 @@ def test_a_limit_resolves_against_the_process_cap():
         assert "cap of 400" in _one_line_error(ValueError, lambda: fit.resolve_memory_limit(over, memory))
 
 
+def test_the_allocator_is_capped_at_the_limit_unless_the_process_is_capped_lower():
+    memory = DeviceMemory(total=1000, free=500, reserved=200, allocated=150)
+    assert fit.allocator_cap(600, memory) == 0.6
+    assert fit.allocator_cap(600, DeviceMemory(1000, 500, 200, 150, cap=800)) == 0.6
+    assert fit.allocator_cap(600, DeviceMemory(1000, 500, 200, 150, cap=600)) is None
+    assert fit.allocator_cap(600, DeviceMemory(1000, 500, 200, 150, cap=400)) is None
+
+
 def _one_line_error(kind, run):
     with pytest.raises(kind) as error:
         run()
@@ -144,6 +152,8 @@ def test_contradicting_options_are_one_line_errors():
     _one_line_error(ValueError, lambda: MemoryOptimization(memory_limit=1 << 30, passes=("schedule",)))
     with pytest.raises(ValueError, match="memory_limit"):
         MemoryOptimization().check_fit(1 << 30)
+    assert "memory_limit" in _one_line_error(ValueError, lambda: MemoryOptimization(cap_allocator=False))
+    assert "cap_allocator" in _one_line_error(TypeError, lambda: MemoryOptimization(memory_limit=1, cap_allocator=1))
 
 
 class _Training:
@@ -298,6 +308,7 @@ def test_a_second_plan_keeps_the_static_term_the_margin_was_measured_against(mon
     allocated = [1 << 30]
     monkeypatch.setattr(fit, "device_memory", lambda device: DeviceMemory(
         total=1 << 40, free=1 << 39, reserved=allocated[0], allocated=allocated[0]))
+    _record_caps(monkeypatch)
     pair_peaks = [rung.pair_peak_bytes for rung in probe.rungs]
     limit = allocated[0] + pair_peaks[0]  # the default plan fits, just
     training = _Training(MemoryOptimization(memory_limit=limit, offload_rates=fit.NOMINAL_RATES,
@@ -383,6 +394,39 @@ def _fake_allocator(memopt: MemoryOptimization, monkeypatch, resident: int, othe
         return DeviceMemory(total=1 << 41, free=1 << 40, reserved=allocated, allocated=allocated)
 
     monkeypatch.setattr(fit, "device_memory", memory)
+    _record_caps(monkeypatch)
+
+
+def _record_caps(monkeypatch) -> list[float]:
+    """The fractions the fit caps the (faked) CUDA allocator at, in order."""
+    caps = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device: caps.append(fraction))
+    return caps
+
+
+def test_on_cuda_the_allocator_is_capped_once_at_the_limit_resolved_at_the_first_plan(monkeypatch):
+    """The allocator is capped at the first plan, so that what it reserves stays under the limit.
+    "auto" is resolved there, once: against the cap, the later programs' would be 5% lower each."""
+    total, free, reserved = 1 << 41, 1 << 40, 1 << 30
+    caps = _record_caps(monkeypatch)
+    monkeypatch.setattr(fit, "device_memory", lambda device: DeviceMemory(
+        total=total, free=free, reserved=reserved, allocated=reserved,
+        cap=round(caps[-1] * total) if caps else None))
+    auto = free + reserved - int(fit.AUTO_MARGIN * total)
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)  # "auto" is checked for a device at once
+        memopt, uncapped = (MemoryOptimization(memory_limit="auto", offload_rates=fit.NOMINAL_RATES,
+                                               cap_allocator=cap) for cap in (True, False))
+    _blocks_then_head(memopt)()
+    assert caps == [auto / total] and memopt.fit_report.allocator_fraction == auto / total
+    assert [choice.limit_bytes for choice in memopt.fit_report.choices] == [auto, auto]
+    caps.clear()
+    _blocks_then_head(uncapped)()
+    assert caps == [] and uncapped.fit_report.allocator_fraction is None
+    caps.append(0.125)  # the process capped at the limit already: left as it is
+    capped = MemoryOptimization(memory_limit=total // 8, offload_rates=fit.NOMINAL_RATES)
+    _blocks_then_head(capped)()
+    assert caps == [0.125] and capped.fit_report.allocator_fraction is None
 
 
 def test_a_block_planned_again_lowers_the_peak_of_the_head_that_holds_its_saved_tensors(monkeypatch):

@@ -126,8 +126,12 @@ class FitPlanner:
 
     def __init__(self, limit: fit.MemoryLimit, rates: DeviceRates | None, optimizer_states: int = 2,
                  parameters: Callable[[], Iterable[torch.Tensor]] = tuple, over_limit: str = "raise",
-                 scheduled: bool = True, offload: OffloadStage | None = None) -> None:
+                 scheduled: bool = True, offload: OffloadStage | None = None, cap_allocator: bool = True) -> None:
         self.limit, self.rates, self.over_limit = limit, rates, over_limit
+        # The limit in bytes, resolved at the first plan and kept ("auto" would move with the cap).
+        self.limit_bytes: int | None = None
+        self.cap_allocator = cap_allocator
+        self.allocator_fraction: float | None = None  # the cap set at the first plan (fit.allocator_cap)
         self.scheduled = scheduled  # the schedule pass orders the backwards (fit.price_rungs)
         self.offload = offload  # the offload pass's stage, where it runs: it prices each rung
         # The optimizer's states per parameter, and the parameters it steps besides FSDP2's (the
@@ -150,7 +154,7 @@ class FitPlanner:
         takes, recorded in ``choices``."""
         device = torch.device(next(iter(_devices(forward)), "cpu"))
         memory = fit.device_memory(device)
-        limit = fit.resolve_memory_limit(self.limit, memory)
+        limit = self._resolve_limit(device, memory)
         rates = self.rates or (measure_rates(device) if memory is not None else fit.NOMINAL_RATES)
         key = self.key(forward)
         first_plan = key not in self.statics
@@ -196,6 +200,18 @@ class FitPlanner:
         self.choices[key] = choice
         self.device = device
         return choice.rung
+
+    def _resolve_limit(self, device: torch.device, memory: fit.DeviceMemory | None) -> int:
+        """The limit in bytes, resolved at the first plan; there, on CUDA, with ``cap_allocator``, the
+        process's caching allocator is capped at it, so that what it reserves stays under the limit:
+        it frees the blocks it caches and retries before it would reserve past the cap."""
+        if self.limit_bytes is None:
+            self.limit_bytes = fit.resolve_memory_limit(self.limit, memory)
+            if memory is not None and self.cap_allocator:
+                self.allocator_fraction = fit.allocator_cap(self.limit_bytes, memory)
+                if self.allocator_fraction is not None:
+                    torch.cuda.set_per_process_memory_fraction(self.allocator_fraction, device)
+        return self.limit_bytes
 
     def _choose_rung(self, key: tuple, rungs: list[fit.RungCost], limit: int, saved: dict[tuple, int]
                      ) -> fit.FitChoice:
@@ -253,7 +269,8 @@ class FitPlanner:
         return tuple((t.name, tuple(t.shape), str(t.dtype)) for t in saved_proxies(forward)[0])
 
     def report(self) -> fit.FitReport | None:
-        return fit.FitReport(tuple(self.choices.values()), self.last_check) if self.choices else None
+        return fit.FitReport(tuple(self.choices.values()), self.last_check,
+                             self.allocator_fraction) if self.choices else None
 
     def check(self, measured_bytes: int, calls: dict[tuple, int]) -> fit.FitCheck:
         """``measured_bytes``, a step's peak, against the prediction with each program's ``calls`` per

@@ -171,6 +171,12 @@ class MemoryOptimization(Transform):
             the programs planned before at their least saved bytes): "raise", a
             ``fit.MemoryLimitError`` of one line at the compile, before the first step runs, with the
             lowest predicted peak and what to change; "lowest", the lowest plan, with one warning.
+        cap_allocator: with ``memory_limit`` on CUDA, cap the process's caching allocator at the limit
+            at the first compile (``torch.cuda.set_per_process_memory_fraction(limit / total)``),
+            where no lower cap is set. The allocator then frees the blocks it caches before it
+            reserves past the limit, so the memory the card holds for the process stays under it,
+            and a step that needs more fails as it would on a card of that size. False: the limit
+            bounds the allocated bytes alone, and the allocator may reserve more.
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
     replays run in the forward's compiled regions and the loss head is fused; with Thunder's
@@ -192,6 +198,7 @@ class MemoryOptimization(Transform):
         memory_limit: fit.MemoryLimit | None = None,
         optimizer_states: int = 2,
         over_limit: str = "raise",
+        cap_allocator: bool = True,
     ) -> None:
         _check_fraction("activation_budget", activation_budget)
         memory_limit = fit.checked_memory_limit(memory_limit)
@@ -201,6 +208,10 @@ class MemoryOptimization(Transform):
         over_limit = fit.checked_over_limit(over_limit)
         if memory_limit is None and over_limit != "raise":
             raise ValueError(f"over_limit={over_limit!r} applies to memory_limit, and none is given")
+        if not isinstance(cap_allocator, bool):
+            raise TypeError(f"cap_allocator must be True or False, got {cap_allocator!r}")
+        if memory_limit is None and not cap_allocator:
+            raise ValueError("cap_allocator=False applies to memory_limit, and none is given")
         if memory_limit is not None and activation_budget != 1.0:
             raise ValueError(f"memory_limit and activation_budget={activation_budget} each choose the recompute "
                              "plan; give one of them")
@@ -244,7 +255,9 @@ class MemoryOptimization(Transform):
         self._fit = None if memory_limit is None else FitPlanner(
             memory_limit, offload_rates, self.optimizer_states,
             lambda: (p for ref in self._modules if (m := ref()) is not None for p in m.parameters()), over_limit,
-            scheduled="schedule" in passes, offload=self._offload if offloading else None)
+            scheduled="schedule" in passes, offload=self._offload if offloading else None,
+            cap_allocator=cap_allocator)
+        self.cap_allocator = cap_allocator
         self._modules: list[weakref.ref[ThunderModule]] = []  # those jitted with this instance
         self._schedule = ScheduleStage()
         self._donation = DonationStage()
@@ -323,7 +336,7 @@ class MemoryOptimization(Transform):
             f"offload={self.offload.value!r}, offload_budget={self.offload_budget}, "
             f"host_memory_limit={self.host_memory_limit!r}, "
             f"head_gradients={self.head_gradients!r}, memory_limit={self.memory_limit!r}, "
-            f"over_limit={self.over_limit!r})"
+            f"over_limit={self.over_limit!r}, cap_allocator={self.cap_allocator})"
         )
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):

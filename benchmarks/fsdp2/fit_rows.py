@@ -61,4 +61,7 @@ def fit_fields(report: FitReport, checks: Sequence[FitCheck]) -> dict[str, Any]:
         "fit_saved_bytes": saved,
         "fit_saved_bytes_total": sum(saved),
         "fit_terms": [term_fields(choice) for choice in report.choices],
+        # The cap put on the caching allocator at the first plan, a fraction of the device's memory
+        # (``MemoryOptimization(cap_allocator=True)``); None where the process was capped already.
+        "fit_allocator_fraction": report.allocator_fraction,
     }

@@ -82,8 +82,8 @@ allocate at the first compile (the driver's free memory and what torch's caching
 or the process's cap where ``torch.cuda.set_per_process_memory_fraction`` set a lower one) less
 ``AUTO_MARGIN`` of what it may use, for the allocator's rounding and fragmentation and what other
 libraries allocate. A limit above that cap is refused: the allocator would fail first. The last
-two need a CUDA device. The prediction is of allocated
-bytes (``max_memory_allocated``), not of what the allocator reserves.
+two need a CUDA device. The prediction is of allocated bytes (``max_memory_allocated``); what the
+allocator reserves is held under the limit by capping it there at the first plan (``allocator_cap``).
 
 Pure functions and frozen results, in the style of ``torch/_inductor/memory.py``; the state across
 programs (the limit, the margin, the counted calls) is ``stages.FitPlanner``'s.
@@ -126,6 +126,7 @@ __all__ = [
     "checked_memory_limit",
     "device_memory",
     "resolve_memory_limit",
+    "allocator_cap",
     "recompute_seconds",
     "price_rungs",
     "rung_costs",
@@ -252,6 +253,15 @@ def resolve_memory_limit(value: MemoryLimit, memory: DeviceMemory | None) -> int
                  f"this process's cap of {memory.cap} (torch.cuda.set_per_process_memory_fraction)")
         raise ValueError(f"memory_limit={value!r} ({limit} bytes) is more than {where}")
     return limit
+
+
+def allocator_cap(limit: int, memory: DeviceMemory) -> float | None:
+    """The fraction of the device's memory at which to cap the process's caching allocator so that
+    what it reserves stays under ``limit`` (``torch.cuda.set_per_process_memory_fraction``); None
+    where the process is capped at the limit or below already."""
+    if memory.cap is not None and memory.cap <= limit:
+        return None
+    return limit / memory.total
 
 
 @dataclass(frozen=True)
@@ -537,6 +547,9 @@ class FitReport:
 
     choices: tuple[FitChoice, ...]  # one per program, in compile order
     check: FitCheck | None
+    # The cap set on the process's caching allocator at the first plan (``allocator_cap``), as a
+    # fraction of the device's memory; None where none was set.
+    allocator_fraction: float | None = None
 
     @property
     def limit_bytes(self) -> int:
