@@ -176,6 +176,28 @@ class _Training:
         return measured.output.detach(), grads, measured.activation_bytes
 
 
+def test_each_rung_is_priced_as_the_fusion_executor_fuses_it():
+    """On meta with the GPU's executors, a stablecode Block's default rung is priced at the peak of
+    the traces the transform runs. Priced with its regions taken apart, the GELU's backward, which
+    replays the GELU, held fp32 tensors of the MLP's width that no region outputs."""
+    from litgpt.model import Block
+
+    from thunder_memopt import plan
+    from thunder_memopt.core.memory import estimate_step
+
+    config = narrow_config(STABLECODE, n_layer=1, n_embd=256, block_size=1024)
+    memopt = MemoryOptimization(memory_limit=1 << 40)
+    with plan._executors_claim_meta(gpu=True) as executors, torch.device("meta"):
+        block = Block(config, block_idx=0).to(torch.bfloat16)
+        x = torch.empty(1, 1024, config.n_embd, dtype=torch.bfloat16, requires_grad=True)
+        cos = torch.empty(1, 1024, config.rope_n_elem, dtype=torch.bfloat16)
+        jitted = thunder.jit(block, transforms=[memopt], executors=executors)
+        jitted(x, cos, cos.clone())
+    (choice,) = memopt.fit_report.choices
+    ran = estimate_step(thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
+    assert choice.rung == 0 and choice.rungs[0].pair_peak_bytes == ran.peak_bytes
+
+
 @functools.cache
 def _probe() -> fit.FitChoice:
     """A limit of one byte, which nothing fits: the predicted whole-step peak of every rung (the

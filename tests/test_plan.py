@@ -66,3 +66,22 @@ def test_bad_flags_are_one_line_errors(argv, names, capsys):
     assert exited.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("python -m thunder_memopt plan: error: ") and names in error, error
+
+
+def test_traced_as_the_gpus_executors_run_the_heads_chunk_math_is_one_kernel():
+    """On meta under the GPU's executors, the fused loss head's op is priced as on CUDA, where its
+    chunk math is one compiled kernel: without the temporaries of that math run eagerly, which it
+    holds on a CPU (at Phi-3-mini's vocabulary and T=8192, 1.5 GiB of its 2.2 GiB workspace)."""
+    import thunder
+
+    from thunder_memopt.core.memory import WORKSPACE_BYTES
+    from thunder_memopt.models import LossHead
+
+    with plan._executors_claim_meta(gpu=True) as executors, torch.device("meta"):
+        head = LossHead(torch.nn.Linear(N_EMBD, CONFIG.padded_vocab_size, bias=False))
+        x = torch.empty(1, T, N_EMBD, requires_grad=True)
+        jitted = thunder.jit(head, transforms=[MemoryOptimization()], executors=executors)
+        jitted(x, torch.empty(1, T, dtype=torch.long))
+        (op,) = [b for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.name in WORKSPACE_BYTES]
+        as_on_cuda = WORKSPACE_BYTES[op.sym.name](op)
+    assert 0 < as_on_cuda < WORKSPACE_BYTES[op.sym.name](op)  # outside: meta is priced as a CPU's

@@ -68,13 +68,15 @@ class StepPlan:
 @contextlib.contextmanager
 def _executors_claim_meta(gpu: bool) -> Iterator[list]:
     """With ``gpu``, the GPU's executors, claiming meta tensors: cuDNN attention's checker passes, the
-    fusion executor takes the meta device, and no region is compiled ahead. Else a CPU's: the fused
-    loss head and Thunder's defaults, as ``thunderfx_backend(fusion=False)`` runs on CPU."""
+    fusion executor takes the meta device, the loss head's chunk math is priced as one kernel, as on
+    CUDA, and no region is compiled ahead. Else a CPU's: the fused loss head and Thunder's defaults,
+    as ``thunderfx_backend(fusion=False)`` runs on CPU."""
     import thunder
     import thunder.torch as ltorch
 
     import thunder_memopt.transform as transform_module
     from thunder_memopt.executors import InductorFusionExecutor, cudnn_attention_ex, linear_cross_entropy_ex
+    from thunder_memopt.executors._head_accounting import COMPILED_DEVICES
 
     if not gpu:
         yield [linear_cross_entropy_ex, *thunder.get_default_executors()]
@@ -82,11 +84,13 @@ def _executors_claim_meta(gpu: bool) -> Iterator[list]:
     impl = cudnn_attention_ex.implmap[ltorch.scaled_dot_product_attention.id]
     checker, compile_ahead = impl.checker, transform_module.compile_ahead
     impl.checker, transform_module.compile_ahead = (lambda *a, **k: True), (lambda traces: 0)
+    COMPILED_DEVICES.add("meta")
     try:
         fusion = InductorFusionExecutor("memopt_fusion_meta", devices=("meta",))
         yield [linear_cross_entropy_ex, cudnn_attention_ex, fusion, *thunder.get_default_executors()]
     finally:
         impl.checker, transform_module.compile_ahead = checker, compile_ahead
+        COMPILED_DEVICES.discard("meta")
 
 
 def _ladder(module: torch.nn.Module, args: Sequence[torch.Tensor], executors: list, *, head: bool) -> Program:
@@ -102,8 +106,8 @@ def _ladder(module: torch.nn.Module, args: Sequence[torch.Tensor], executors: li
                                 offload_rates=fit.NOMINAL_RATES)
     planner, ladders = memopt._fit, []
     choose = planner.choose
-    planner.choose = lambda plans, forward, backward: (ladders.append((plans, forward, backward)),
-                                                       choose(plans, forward, backward))[1]
+    planner.choose = lambda plans, forward, backward, fusion=None: (ladders.append((plans, forward, backward)),
+                                                                    choose(plans, forward, backward, fusion))[1]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "thunder_memopt: no recompute plan fits")
         thunder.jit(module, transforms=[memopt], executors=executors)(*args)
@@ -147,15 +151,17 @@ class _DecoderLayer(torch.nn.Module):
 
 class _CausalLMHead(torch.nn.Module):
     """A transformers causal LM's final norm, head and its own loss (``loss_function``: the logits in
-    fp32, the labels shifted), on the last decoder layer's output."""
+    fp32, the labels shifted), on the last decoder layer's output; it returns the logits too, as the
+    model does, so the fused head computes its gradients from slices of them, as it runs there."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.norm, self.lm_head = model.model.norm, model.lm_head
         self.loss_function, self.vocab_size = model.loss_function, model.config.vocab_size
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_function(self.lm_head(self.norm(hidden)), labels, vocab_size=self.vocab_size)
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.lm_head(self.norm(hidden))
+        return self.loss_function(logits, labels, vocab_size=self.vocab_size), logits
 
 
 @contextlib.contextmanager

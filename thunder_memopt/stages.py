@@ -149,9 +149,11 @@ class FitPlanner:
         self.device: torch.device | None = None  # the device of the latest program planned
         self.last_check: fit.FitCheck | None = None
 
-    def choose(self, plans: list[recompute.RecomputePlan], forward: TraceCtx, backward: TraceCtx) -> int:
-        """The rung of ``plans`` (a ladder of ``forward``, its backward ``backward``) that the limit
-        takes, recorded in ``choices``."""
+    def choose(self, plans: list[recompute.RecomputePlan], forward: TraceCtx, backward: TraceCtx,
+               fusion: InductorFusionExecutor | None = None) -> int:
+        """The rung of ``plans`` (a ladder of ``forward``, its backward ``backward``, their regions
+        taken apart) that the limit takes, recorded in ``choices``; each rung priced as ``fusion``
+        fuses it, where it runs."""
         device = torch.device(next(iter(_devices(forward)), "cpu"))
         memory = fit.device_memory(device)
         limit = self._resolve_limit(device, memory)
@@ -166,7 +168,7 @@ class FitPlanner:
         # times tie.
         share = self._host_bytes_per_call(key) if self._offload_runs(memory is not None) else 0
         offloads = functools.partial(self.offload.plan, rates=rates, host_bytes=share) if share else None
-        ways = [fit.price_rungs(plans, forward, backward, scheduled=self.scheduled, offloads=w)
+        ways = [fit.price_rungs(plans, forward, backward, scheduled=self.scheduled, offloads=w, fusion=fusion)
                 for w in ([None] if offloads is None else [None, offloads])]
         if first_plan:
             # A second plan keeps the first plan's static term: the margin is the measured error of a
@@ -321,7 +323,7 @@ class RecomputeStage(Stage):
         ladder = pair.carries[self.name]
         flat = trace if pair.fusion is None else pair.fusion.unfuse(trace)
         if self.fit is not None:
-            k = self.fit.choose(ladder.plans, ladder.original, flat)
+            k = self.fit.choose(ladder.plans, ladder.original, flat, pair.fusion)
         elif len(ladder.plans) > 1:
             k = recompute.choose_by_budget(ladder.plans, ladder.original, flat, self.budget)
         else:

@@ -19,14 +19,16 @@ import torch
 from thunder_memopt.plan import plan_step, trace_programs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-# (file, the row's commit): litgpt rows of FSDP2 at one rank and SIMULATED 8 and 64 ranks (one under
-# a 45 GiB cap); transformers rows of FSDP2 at one rank and of the whole model on one device.
+# (file, the row's commit): litgpt rows of FSDP2 at one rank and SIMULATED 8 and 64 ranks (some under
+# a cap of 40 or 45 GiB); transformers rows of FSDP2 at one rank and of the whole model on one device.
 ROWS = (
     ("stablecode_32l_zero2_1xH200_per_token.jsonl", "8611a0e"),
     ("stablecode_8l_zero2_1xH200_T8192_pareto.jsonl", "274ebb3"),
     ("stablecode_32l_zero2_sim8.jsonl", "6db2fb4-dirty"),
     ("llama3_8b_32l_zero2_sim8_T8192_budgets.jsonl", "274ebb3"),
-    ("llama3_8b_32l_zero2_sim8_1xH100_T8192_cap45.jsonl", "c2c6b3f-dirty"),
+    ("llama3_8b_32l_zero2_sim8_1xH100_T8192_cap45.jsonl", "c7dec7b-dirty"),
+    ("stablecode_32l_zero2_1xH100_T16384_cap40.jsonl", "c7dec7b-dirty"),
+    ("stablecode_32l_zero2_1xH100_T32768_cap40.jsonl", "c7dec7b-dirty"),
     ("llama3_70b_80l_zero3_sim64_T8192_budget0.jsonl", "858ecda"),
     ("hf_qwen3_8b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
     ("hf_gemma_2_2b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),

@@ -24,14 +24,18 @@ from thunder_memopt.executors.chunked_cross_entropy import (
     head_forward_with_gradients, head_loss, head_loss_and_logits)
 from thunder_memopt.executors.fusion import COMPILED_FUNCTIONS_OF, TensorMetadata, torch_metadata
 
-__all__: list[str] = []
+__all__ = ["COMPILED_DEVICES"]
+
+# The device types on which a chunk's math is one compiled kernel: CUDA's, and meta's while
+# ``python -m thunder_memopt plan`` traces as the GPU's executors run (``plan._executors_claim_meta``).
+COMPILED_DEVICES = {"cuda"}
 
 
 def _eager_temporaries(hidden: TensorProxy, rows: int, columns: int, steps, *, gradient: bool) -> int:
     """A chunk's fp32 copy, the model-dtype results of its steps and, for its gradient, the
-    model-dtype result and each tanh's fp32 derivative; none on CUDA, where the math is one
-    compiled kernel."""
-    if hidden.device.type == "cuda":
+    model-dtype result and each tanh's fp32 derivative; none where the math is one compiled kernel
+    (``COMPILED_DEVICES``)."""
+    if hidden.device.type in COMPILED_DEVICES:
         return 0
     per_element = 4 + (hidden.dtype.bytes if steps else 0)
     if gradient:

@@ -47,8 +47,8 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   over the calls of the program called least: the model's under thunder.jit, the loss's under
   ThunderCompiler), and a second plan counts them. Structurally identical programs compiled apart
   (the same saved tensors by name, shape and dtype) count as calls of one.
-- ``pair_peak``: the program's own peak over its forward and backward, from the traces
-  (``memory.estimate_step``): its saved tensors with its largest transient working set (a Block's
+- ``pair_peak``: the program's own peak over its forward and backward, from the traces as the
+  fusion executor fuses them, where it runs (``memory.estimate_step``): its saved tensors with its largest transient working set (a Block's
   backward, the loss head's chunks), its gradients, as they are made; with the schedule pass on,
   each rung's backward in the order that pass runs it (``price_rungs``). With offload on, each rung
   is priced as the offload pass would leave it: its plan's copies off the device (``saved`` less
@@ -107,6 +107,7 @@ from thunder_memopt.core.memory import StepEstimate, backward_storages, estimate
 from thunder_memopt.passes import offload, recompute, schedule
 
 if TYPE_CHECKING:
+    from thunder_memopt.executors.fusion import InductorFusionExecutor
     from thunder_memopt.passes.recompute import RecomputePlan
 
 __all__ = [
@@ -445,19 +446,30 @@ def recompute_seconds(plans: Sequence[RecomputePlan], rates: DeviceRates) -> lis
 
 def price_rungs(plans: Sequence[RecomputePlan], forward: TraceCtx, backward: TraceCtx, *, scheduled: bool,
                 offloads: Callable[[TraceCtx, TraceCtx], offload.OffloadPlan] | None = None,
+                fusion: InductorFusionExecutor | None = None,
                 ) -> list[tuple[StepEstimate, offload.OffloadPlan | None]]:
     """Each rung's ``memory.estimate_step``, with ``scheduled`` its backward in the order the
     schedule pass will run it, and with ``offloads`` (the offload pass's planner) its pair as that
     pass leaves it, with the plan. The backward Thunder hands over can compute what needs only the
     saved tensors at its start (under ``thunderfx_backend``, a SiLU's derivative terms), holding it
     through the loss's backward until its use: priced in that order, a CPU Llama of width 128, 2
-    layers, at T=256 was predicted 44% over its measured peak (tests/test_fit_refusal.py)."""
-    if not scheduled and offloads is None:
+    layers, at T=256 was predicted 44% over its measured peak (tests/test_fit_refusal.py).
+
+    With ``fusion``, each rung's pair as that executor fuses it (``fuse_with_replays``, the backward
+    fused again), whose regions hold their intermediates: taken apart, a GELU's backward replaying
+    its forward held three fp32 tensors of the MLP's width, 3.75 GiB of a stablecode Block at
+    T=32768, that no region outputs."""
+    if not scheduled and offloads is None and fusion is None:
         return [(estimate, None) for estimate in recompute.price_ladder(plans, forward, backward)]
     priced = []
     for plan in plans:
         rung_forward = plan.apply_to_forward(forward, deletions=False)
-        rung_backward = plan.apply_to_backward(backward, deletions=False)
+        replays = plan
+        if fusion is not None:
+            rung_forward, replays = fusion.fuse_with_replays(rung_forward, plan)
+        rung_backward = replays.apply_to_backward(backward, deletions=False)
+        if fusion is not None:
+            rung_backward = fusion.refuse(rung_backward)
         copies = None if offloads is None else offloads(rung_forward, rung_backward)
         if copies is not None:
             rung_forward, rung_backward = offload.apply_offload(rung_forward, rung_backward, copies)
