@@ -92,6 +92,8 @@ def test_every_option_but_the_rates_has_a_flag():
     (["--memory-limit", "1GiB", "--over-limit", "warn", "{script}"], {}, "--over-limit"),
     (["--memory-limit", "1GiB", "{script}"], {"THUNDER_MEMOPT_OVER_LIMIT": "never"}, "THUNDER_MEMOPT_OVER_LIMIT"),
     (["--over-limit", "lowest", "{script}"], {}, "over_limit='lowest' applies to memory_limit"),  # no limit
+    (["--cap-allocator", "false", "{script}"], {}, "cap_allocator=False applies to memory_limit"),  # no limit
+    (["--memory-limit", "1GiB", "--cap-allocator", "no", "{script}"], {}, "--cap-allocator"),
     (["no_such_program.py"], {}, "no_such_program.py"),
     ([], {}, "script"),
 ])

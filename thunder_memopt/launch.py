@@ -77,6 +77,8 @@ FLAGS: dict[str, tuple[Callable[[str], Any], str]] = {
                                                      "(AdamW: 2)"),
     "over_limit": (_choice(*fit.OVER_LIMIT), "with --memory-limit, a limit no plan fits: raise (a one-line "
                                              "error before the first step) or lowest (the lowest plan, a warning)"),
+    "cap_allocator": (_boolean, "with --memory-limit, true or false: cap torch's caching allocator at the limit, "
+                                "so reserved memory stays under it (default: true)"),
     "offload": (_choice("off", "auto", "budget"), "saved tensors to pinned host memory: off, auto or budget"),
     "offload_budget": (arguments.fraction, "with --offload budget: the share of saved bytes left on the GPU"),
     "host_memory_limit": (_host_memory_limit, "the pinned host memory offload may hold: bytes (64GiB) or auto"),
