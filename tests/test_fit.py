@@ -421,8 +421,11 @@ def _fake_allocator(memopt: MemoryOptimization, monkeypatch, resident: int, othe
 
 def _record_caps(monkeypatch) -> list[float]:
     """The fractions the fit caps the (faked) CUDA allocator at, in order."""
+    from thunder_memopt import stages
+
     caps = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device: caps.append(fraction))
+    monkeypatch.setattr(stages, "_ALLOCATOR_CAPS", {})
     return caps
 
 
@@ -445,10 +448,17 @@ def test_on_cuda_the_allocator_is_capped_once_at_the_limit_resolved_at_the_first
     caps.clear()
     _blocks_then_head(uncapped)()
     assert caps == [] and uncapped.fit_report.allocator_fraction is None
-    caps.append(0.125)  # the process capped at the limit already: left as it is
+    # A later limit above the cap an earlier one set replaces it; without cap_allocator, lifts it.
+    wider = MemoryOptimization(memory_limit=total * 3 // 4, offload_rates=fit.NOMINAL_RATES)
+    _blocks_then_head(wider)()
+    assert caps == [0.75] and wider.fit_report.allocator_fraction == 0.75
+    lifted = MemoryOptimization(memory_limit=total // 8, offload_rates=fit.NOMINAL_RATES, cap_allocator=False)
+    _blocks_then_head(lifted)()
+    assert caps == [0.75, 1.0] and lifted.fit_report.allocator_fraction is None
+    caps.append(0.125)  # the process capped at the limit already, not by a limit: left as it is
     capped = MemoryOptimization(memory_limit=total // 8, offload_rates=fit.NOMINAL_RATES)
     _blocks_then_head(capped)()
-    assert caps == [0.125] and capped.fit_report.allocator_fraction is None
+    assert caps == [0.75, 1.0, 0.125] and capped.fit_report.allocator_fraction is None
 
 
 def test_a_block_planned_again_lowers_the_peak_of_the_head_that_holds_its_saved_tensors(monkeypatch):

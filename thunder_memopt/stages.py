@@ -117,6 +117,10 @@ class _Ladder:
     rung: int = 0  # the plan the forward takes
 
 
+# The caps on each CUDA device's caching allocator that a memory limit set in this process, in bytes.
+_ALLOCATOR_CAPS: dict[str, int] = {}
+
+
 class FitPlanner:
     """The state of ``memory_limit`` across a transform's programs: the limit as given, the margin
     and each program's calls per step once a check has measured them, and each program's choice
@@ -206,13 +210,23 @@ class FitPlanner:
     def _resolve_limit(self, device: torch.device, memory: fit.DeviceMemory | None) -> int:
         """The limit in bytes, resolved at the first plan; there, on CUDA, with ``cap_allocator``, the
         process's caching allocator is capped at it, so that what it reserves stays under the limit:
-        it frees the blocks it caches and retries before it would reserve past the cap."""
-        if self.limit_bytes is None:
-            self.limit_bytes = fit.resolve_memory_limit(self.limit, memory)
-            if memory is not None and self.cap_allocator:
-                self.allocator_fraction = fit.allocator_cap(self.limit_bytes, memory)
-                if self.allocator_fraction is not None:
-                    torch.cuda.set_per_process_memory_fraction(self.allocator_fraction, device)
+        it frees the blocks it caches and retries before it would reserve past the cap. A cap that an
+        earlier limit set (another transform's, in the same process) does not bound this limit: this
+        one replaces it, or lifts it without ``cap_allocator``."""
+        if self.limit_bytes is not None:
+            return self.limit_bytes
+        key = str(device)
+        if memory is not None and memory.cap is not None and memory.cap == _ALLOCATOR_CAPS.get(key):
+            memory = dataclasses.replace(memory, cap=None)
+            if not self.cap_allocator:
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
+                del _ALLOCATOR_CAPS[key]
+        self.limit_bytes = fit.resolve_memory_limit(self.limit, memory)
+        if memory is not None and self.cap_allocator:
+            self.allocator_fraction = fit.allocator_cap(self.limit_bytes, memory)
+            if self.allocator_fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(self.allocator_fraction, device)
+                _ALLOCATOR_CAPS[key] = round(self.allocator_fraction * memory.total)  # as device_memory reads it
         return self.limit_bytes
 
     def _choose_rung(self, key: tuple, rungs: list[fit.RungCost], limit: int, saved: dict[tuple, int]

@@ -175,8 +175,9 @@ class MemoryOptimization(Transform):
             at the first compile (``torch.cuda.set_per_process_memory_fraction(limit / total)``),
             where no lower cap is set. The allocator then frees the blocks it caches before it
             reserves past the limit, so the memory the card holds for the process stays under it,
-            and a step that needs more fails as it would on a card of that size. False: the limit
-            bounds the allocated bytes alone, and the allocator may reserve more.
+            and a step that needs more fails as it would on a card of that size. The cap stays set in
+            the process; the next memory limit in it replaces a cap a limit set (with False, lifts
+            it). False: the limit bounds the allocated bytes alone, and the allocator may reserve more.
 
     Fusion is a choice of executors, not of this transform: with ``thunder_memopt.executors()`` the
     replays run in the forward's compiled regions and the loss head is fused; with Thunder's
