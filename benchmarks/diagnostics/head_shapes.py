@@ -13,7 +13,8 @@ inputs of
   the forward from the logits' views (``..._forward_and_logits_with_gradients`` and
   ``..._scale_gradients_and_logits_grad``), at each ``--slice-mib`` of the logits' gradient.
 Each row names the chunk shapes the head chose (executors._head_shapes). With ``--profile``, the
-fused head's top CUDA kernels per vocabulary: ``nvjet`` (sm90) or ``cutlass_80`` (sm80) matmuls.
+top CUDA kernels per vocabulary of the heads in ``PROFILED``: ``nvjet`` (sm90) or ``cutlass_80``
+(sm80) matmuls, and the kernels around them.
 Under 4 minutes on an H100 (most of it inductor's five compilations):
 
     python benchmarks/diagnostics/head_shapes.py [--profile]
@@ -38,6 +39,10 @@ from thunder_memopt.executors import _head_shapes
 from thunder_memopt.executors._head_shapes import chunk_tokens, vocabulary_width
 
 VOCABULARIES = (32000, 49155, 128256, 151936, 256000)
+# The heads --profile profiles: the fused head recomputing its logits, and, as a transformers model
+# runs, inductor's and the fused head that return their logits (the latter at each --slice-mib).
+PROFILED = ("fused, logits recomputed", "inductor, unfused, logits returned",
+            "fused, logits returned, gradients in forward")
 HIDDEN = 4096
 
 
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, nargs="+", default=VOCABULARIES)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
-    parser.add_argument("--profile", action="store_true", help="the fused head's top CUDA kernels per vocabulary")
+    parser.add_argument("--profile", action="store_true", help="the top CUDA kernels of the heads in PROFILED")
     parser.add_argument("--slice-mib", type=int, nargs="+", default=[_head_shapes.GRADIENT_SLICE_BYTES // 2**20],
                         help="sizes of a slice of the logits' gradient, with the logits returned")
     args = parser.parse_args(argv)
@@ -170,9 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             ms, peak = measure_on(args.device, fn, hidden, weight, targets)
             print(f"| {vocab} | {label} | {chosen} | {ms:.2f} | {'-' if peak is None else f'{peak:.0f}'} |",
                   flush=True)
-        if args.profile and args.device == "cuda":
-            profiles.append(f"vocab {vocab}, fused, logits recomputed:\n"
-                            + profile(linear_cross_entropy, hidden, weight, targets))
+            if args.profile and args.device == "cuda" and label.startswith(PROFILED):
+                profiles.append(f"vocab {vocab}, {label}:\n" + profile(fn, hidden, weight, targets))
         del hidden, weight, targets
     for table in profiles:
         print("\n```\n" + table + "```")
