@@ -172,8 +172,8 @@ class FitPlanner:
         # times tie.
         share = self._host_bytes_per_call(key) if self._offload_runs(memory is not None) else 0
         offloads = functools.partial(self.offload.plan, rates=rates, host_bytes=share) if share else None
-        ways = [fit.price_rungs(plans, forward, backward, scheduled=self.scheduled, offloads=w, fusion=fusion)
-                for w in ([None] if offloads is None else [None, offloads])]
+        ways = fit.price_rungs(plans, forward, backward, scheduled=self.scheduled,
+                               offloads=(None,) if offloads is None else (None, offloads), fusion=fusion)
         if first_plan:
             # A second plan keeps the first plan's static term: the margin is the measured error of a
             # prediction made with it. Read again at the recompile, it would count twice what was made

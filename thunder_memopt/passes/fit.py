@@ -47,17 +47,17 @@ The whole step's predicted peak, for one rung of one program (``StepTerms.peak``
   over the calls of the program called least: the model's under thunder.jit, the loss's under
   ThunderCompiler), and a second plan counts them. Structurally identical programs compiled apart
   (the same saved tensors by name, shape and dtype) count as calls of one.
-- ``pair_peak``: the program's own peak over its forward and backward, from the traces as the
-  fusion executor fuses them, where it runs (``memory.estimate_step``): its saved tensors with its largest transient working set (a Block's
-  backward, the loss head's chunks), its gradients, as they are made; with the schedule pass on,
-  each rung's backward in the order that pass runs it (``price_rungs``). With offload on, each rung
-  is priced as the offload pass would leave it: its plan's copies off the device (``saved`` less
-  what it offloads), and the reloads it cannot hide added to the rung's time. So a rung with less
-  recompute can fit where the offload pass moves enough of what it keeps to the host. Each rung is
-  also priced without the copies, and the limit takes the fastest rung that fits either way, without
-  the copies where the times tie (``fastest_fitting``): the pass then copies nothing of a program
-  that fits as fast without. Each call's
-  copies take at most the program's share of the process's pinned host limit
+- ``pair_peak``: the program's own peak over its forward and backward, from the traces as the fusion
+  executor fuses them, where it runs (``memory.estimate_step``): its saved tensors with its largest
+  transient working set (a Block's backward, the loss head's chunks), its gradients, as they are
+  made; with the schedule pass on, each rung's backward in the order that pass runs it
+  (``price_rungs``). With offload on, each rung is priced as the offload pass would leave it: its
+  plan's copies off the device (``saved`` less what it offloads), and the reloads it cannot hide
+  added to the rung's time. So a rung with less recompute can fit where the offload pass moves
+  enough of what it keeps to the host. Each rung is also priced without the copies, and the limit
+  takes the fastest rung that fits either way, without the copies where the times tie
+  (``fastest_fitting``): the pass then copies nothing of a program that fits as fast without. Each
+  call's copies take at most the program's share of the process's pinned host limit
   (``host_memory_limit``, whose "auto" is split over the node's ranks by ``LOCAL_WORLD_SIZE``): that
   limit less the other programs' copies, over the program's calls (``stages.FitPlanner``); the
   offload pass keeps the rest on the device, and the rung is priced so.
@@ -445,38 +445,39 @@ def recompute_seconds(plans: Sequence[RecomputePlan], rates: DeviceRates) -> lis
 
 
 def price_rungs(plans: Sequence[RecomputePlan], forward: TraceCtx, backward: TraceCtx, *, scheduled: bool,
-                offloads: Callable[[TraceCtx, TraceCtx], offload.OffloadPlan] | None = None,
+                offloads: Sequence[Callable[[TraceCtx, TraceCtx], offload.OffloadPlan] | None] = (None,),
                 fusion: InductorFusionExecutor | None = None,
-                ) -> list[tuple[StepEstimate, offload.OffloadPlan | None]]:
-    """Each rung's ``memory.estimate_step``, with ``scheduled`` its backward in the order the
-    schedule pass will run it, and with ``offloads`` (the offload pass's planner) its pair as that
-    pass leaves it, with the plan. The backward Thunder hands over can compute what needs only the
-    saved tensors at its start (under ``thunderfx_backend``, a SiLU's derivative terms), holding it
-    through the loss's backward until its use: priced in that order, a CPU Llama of width 128, 2
-    layers, at T=256 was predicted 44% over its measured peak (tests/test_fit_refusal.py).
+                ) -> list[list[tuple[StepEstimate, offload.OffloadPlan | None]]]:
+    """Each rung's ``memory.estimate_step``, once per entry of ``offloads``: None, the pair as it is;
+    else the offload pass's planner, the pair as that pass leaves it, with the plan. With
+    ``scheduled``, the backward in the order the schedule pass will run it. The backward Thunder
+    hands over can compute what needs only the saved tensors at its start (under
+    ``thunderfx_backend``, a SiLU's derivative terms), holding it through the loss's backward until
+    its use: priced in that order, a CPU Llama of width 128, 2 layers, at T=256 was predicted 44%
+    over its measured peak (tests/test_fit_refusal.py).
 
     With ``fusion``, each rung's pair as that executor fuses it (``fuse_with_replays``, the backward
     fused again), whose regions hold their intermediates: taken apart, a GELU's backward replaying
     its forward held three fp32 tensors of the MLP's width, 3.75 GiB of a stablecode Block at
-    T=32768, that no region outputs."""
-    if not scheduled and offloads is None and fusion is None:
-        return [(estimate, None) for estimate in recompute.price_ladder(plans, forward, backward)]
-    priced = []
+    T=32768, that no region outputs. Each rung is fused once for every entry of ``offloads``."""
+    if not scheduled and fusion is None and all(planner is None for planner in offloads):
+        return [[(estimate, None) for estimate in recompute.price_ladder(plans, forward, backward)]] * len(offloads)
+    ways: list[list[tuple[StepEstimate, offload.OffloadPlan | None]]] = [[] for _ in offloads]
     for plan in plans:
         rung_forward = plan.apply_to_forward(forward, deletions=False)
-        replays = plan
-        if fusion is not None:
+        if fusion is None:
+            rung_backward = plan.apply_to_backward(backward, deletions=False)
+        else:
             rung_forward, replays = fusion.fuse_with_replays(rung_forward, plan)
-        rung_backward = replays.apply_to_backward(backward, deletions=False)
-        if fusion is not None:
-            rung_backward = fusion.refuse(rung_backward)
-        copies = None if offloads is None else offloads(rung_forward, rung_backward)
-        if copies is not None:
-            rung_forward, rung_backward = offload.apply_offload(rung_forward, rung_backward, copies)
-        if scheduled:
-            rung_backward = schedule.schedule_trace(rung_backward, backward_storages(rung_forward, rung_backward)).trace
-        priced.append((estimate_step(rung_forward, rung_backward), copies))
-    return priced
+            rung_backward = fusion.refuse(replays.apply_to_backward(backward, deletions=False))
+        for priced, planner in zip(ways, offloads):
+            copies = None if planner is None else planner(rung_forward, rung_backward)
+            way_forward, way_backward = (rung_forward, rung_backward) if copies is None else \
+                offload.apply_offload(rung_forward, rung_backward, copies)
+            if scheduled:
+                way_backward = schedule.schedule_trace(way_backward, backward_storages(way_forward, way_backward)).trace
+            priced.append((estimate_step(way_forward, way_backward), copies))
+    return ways
 
 
 def rung_costs(plans: Sequence[RecomputePlan], priced: Sequence[tuple[StepEstimate, offload.OffloadPlan | None]],
