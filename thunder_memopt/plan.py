@@ -76,7 +76,7 @@ def _executors_claim_meta(gpu: bool) -> Iterator[list]:
 
     import thunder_memopt.transform as transform_module
     from thunder_memopt.executors import InductorFusionExecutor, cudnn_attention_ex, linear_cross_entropy_ex
-    from thunder_memopt.executors._head_accounting import COMPILED_DEVICES
+    from thunder_memopt.executors._head_accounting import PRICED_AS_COMPILED
 
     if not gpu:
         yield [linear_cross_entropy_ex, *thunder.get_default_executors()]
@@ -84,13 +84,13 @@ def _executors_claim_meta(gpu: bool) -> Iterator[list]:
     impl = cudnn_attention_ex.implmap[ltorch.scaled_dot_product_attention.id]
     checker, compile_ahead = impl.checker, transform_module.compile_ahead
     impl.checker, transform_module.compile_ahead = (lambda *a, **k: True), (lambda traces: 0)
-    COMPILED_DEVICES.add("meta")
+    PRICED_AS_COMPILED.add("meta")
     try:
         fusion = InductorFusionExecutor("memopt_fusion_meta", devices=("meta",))
         yield [linear_cross_entropy_ex, cudnn_attention_ex, fusion, *thunder.get_default_executors()]
     finally:
         impl.checker, transform_module.compile_ahead = checker, compile_ahead
-        COMPILED_DEVICES.discard("meta")
+        PRICED_AS_COMPILED.discard("meta")
 
 
 def _ladder(module: torch.nn.Module, args: Sequence[torch.Tensor], executors: list, *, head: bool) -> Program:

@@ -18,24 +18,26 @@ from thunder.core.proxies import TensorProxy
 from thunder_memopt.core.memory import WORKSPACE_BYTES
 from thunder_memopt.executors._head_math import steps_applied_, steps_dtype
 from thunder_memopt.executors._head_shapes import gradient_slices, spans, vocabulary_width
+from thunder_memopt.executors import chunked_cross_entropy as cce
 from thunder_memopt.executors.chunked_cross_entropy import (
     _accumulation_temporary_bytes, _compiled, _lse_and_target_logit, _logits_grad, _loss_terms_and_logits_grad_,
     head_backward, head_forward, head_forward_and_logits, head_forward_logits_with_gradients,
     head_forward_with_gradients, head_loss, head_loss_and_logits)
 from thunder_memopt.executors.fusion import COMPILED_FUNCTIONS_OF, TensorMetadata, torch_metadata
 
-__all__ = ["COMPILED_DEVICES"]
+__all__ = ["PRICED_AS_COMPILED"]
 
-# The device types on which a chunk's math is one compiled kernel: CUDA's, and meta's while
-# ``python -m thunder_memopt plan`` traces as the GPU's executors run (``plan._executors_claim_meta``).
-COMPILED_DEVICES = {"cuda"}
+# Device types priced as if the head compiled its chunk math there, though it runs it eagerly:
+# meta's, while ``python -m thunder_memopt plan`` traces as the GPU's executors run
+# (``plan._executors_claim_meta``).
+PRICED_AS_COMPILED: set[str] = set()
 
 
 def _eager_temporaries(hidden: TensorProxy, rows: int, columns: int, steps, *, gradient: bool) -> int:
     """A chunk's fp32 copy, the model-dtype results of its steps and, for its gradient, the
     model-dtype result and each tanh's fp32 derivative; none where the math is one compiled kernel
-    (``COMPILED_DEVICES``)."""
-    if hidden.device.type in COMPILED_DEVICES:
+    (``chunked_cross_entropy.COMPILED_DEVICES``, and ``PRICED_AS_COMPILED``)."""
+    if hidden.device.type in cce.COMPILED_DEVICES or hidden.device.type in PRICED_AS_COMPILED:
         return 0
     per_element = 4 + (hidden.dtype.bytes if steps else 0)
     if gradient:
