@@ -120,6 +120,13 @@ def test_fully_masked_rows_give_sdpas_zeros_and_gradients_under_thunder_jit(kind
     torch.testing.assert_close(memopt[1][seen], plain[1][seen], rtol=0, atol=0)  # dq of those rows
 
 
+def _sliding_window(window: int, n: int = 8) -> torch.Tensor:
+    """transformers' sliding-window causal mask, made as its masking_utils makes it: each query sees
+    itself and the ``window - 1`` keys before it."""
+    q_idx, kv_idx = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return torch.ones((), dtype=torch.bool) & (kv_idx > q_idx - window) & (kv_idx <= q_idx)
+
+
 def _computation_trace(f, *args):
     jitted = thunder.jit(f)
     jitted(*args)
@@ -136,9 +143,13 @@ def test_attention_whose_mask_hides_no_row_by_how_it_is_made_is_left_as_it_was()
         "finfo_min_fill": lambda q: F.scaled_dot_product_attention(
             q, q, q, torch.zeros(8, 8).masked_fill(~causal, torch.finfo(torch.float32).min)),
     }
+    unchanged["sliding_window"] = lambda q: F.scaled_dot_product_attention(q, q, q, _sliding_window(3))
     for name, f in unchanged.items():
         trace = _computation_trace(f, q)
         assert masked_rows.zero_fully_masked_rows(trace) is trace, name
+    # A window of no key (kv_idx > q_idx) hides every key from every query.
+    empty = _computation_trace(lambda q: F.scaled_dot_product_attention(q, q, q, _sliding_window(0)), q)
+    assert PROVENANCE in str(masked_rows.zero_fully_masked_rows(empty).get_provenance())
     # float32's minimum is -inf in bf16: cast there, the fill may hide every key.
     overflow = _computation_trace(lambda q: F.scaled_dot_product_attention(
         q, q, q, torch.zeros(8, 8).masked_fill(~causal, torch.finfo(torch.float32).min).to(q.dtype)),

@@ -35,7 +35,8 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transform_common import dce
 
-__all__ = ["Affine", "AtLeastZero", "is_causal_mask", "causal_attention", "causal_outputs"]
+__all__ = ["Affine", "AtLeastZero", "is_causal_mask", "shows_each_query_its_own_key", "causal_attention",
+           "causal_outputs"]
 
 P = prims.PrimIDs
 
@@ -395,6 +396,10 @@ class _Values:
             self._known[x.name] = next((v for v in found if v is not None), None)
         return self._known[x.name]
 
+    def producers(self, x: TensorProxy) -> list[BoundSymbol]:
+        """The bound symbols that make ``x``: the outermost first, then those of decompositions."""
+        return self._producers.get(x.name, [])
+
     def _apply(self, b: BoundSymbol, out: TensorProxy) -> Value | None:
         rule = _RULES.get(b.sym.id)
         if rule is None or b.output is not out:
@@ -419,6 +424,69 @@ def is_causal_mask(values: _Values, mask) -> bool:
         return False
     coef, k = dict(value.form.coef), dict(value.form.coef).get(-2, 0)
     return k > 0 and coef == {-2: k, -1: -k} and value.form.const == 0
+
+
+def shows_each_query_its_own_key(values: _Values, mask) -> bool:
+    """Whether ``mask`` is, by how it is made, true wherever the key's index (its last axis) equals
+    the query's (the axis before), with a key for every query: then no query sees no key. Causal
+    masks are, and so are sliding windows of at least one key (``kv_idx > q_idx - window``) and an
+    AND of such masks, transformers' sliding-window causal mask (Mistral, Phi-3, Gemma-2); a padding
+    mask, a trace input, proves nothing."""
+    return (isinstance(mask, TensorProxy) and dtypes.is_boolean_dtype(mask.dtype) and mask.ndim >= 2
+            and mask.shape[-1] >= mask.shape[-2] and _true_on_the_diagonal(values, mask))
+
+
+def _true_on_the_diagonal(values: _Values, x: TensorProxy) -> bool:
+    value = values.of(x)
+    if isinstance(value, AtLeastZero):
+        return _diagonal_low(value.form, x.shape) >= 0
+    if value is not None:
+        return _constant(value) == 1
+    for b in values.producers(x):
+        if b.output is not x:
+            continue
+        if b.sym.id in (P.BITWISE_AND, P.BITWISE_OR):
+            kept = [_operand_true_on_the_diagonal(values, a, x) for a in (b.args[0], b.args[1])]
+            return all(kept) if b.sym.id == P.BITWISE_AND else any(kept)
+        if b.sym.id in _KEEPING_THE_LAST_TWO_AXES and _keeps_the_last_two_axes(b, x):
+            return _true_on_the_diagonal(values, b.args[0])
+    return False
+
+
+def _operand_true_on_the_diagonal(values: _Values, a, out: TensorProxy) -> bool:
+    """Whether ``a``, an operand of an elementwise op making ``out``, is true on ``out``'s diagonal:
+    of ``out``'s last two sizes (an operand broadcast along them proves nothing), or true everywhere."""
+    if not isinstance(a, TensorProxy) or not dtypes.is_boolean_dtype(a.dtype):
+        return _constant(_number(a)) == 1
+    if a.ndim >= 2 and tuple(a.shape[-2:]) == tuple(out.shape[-2:]):
+        return _true_on_the_diagonal(values, a)
+    return _constant(values.of(a)) == 1
+
+
+# Ops whose output element (..., i, j) is their input's (..., i, j) where both have the same last
+# two sizes (and, for a broadcast, the input's last two axes become the output's).
+_KEEPING_THE_LAST_TWO_AXES = (P.BROADCAST_IN_DIM, P.RESHAPE, P.CONVERT_ELEMENT_TYPE, P.SHALLOW_COPY,
+                              P.STRIDE_ORDER, P.SLICE)
+
+
+def _keeps_the_last_two_axes(b: BoundSymbol, out: TensorProxy) -> bool:
+    a = b.args[0]
+    if not isinstance(a, TensorProxy) or a.ndim < 2 or not dtypes.is_boolean_dtype(a.dtype):
+        return False
+    if b.sym.id == P.SLICE:  # from index 0, every element, on the last two axes: a corner of the diagonal
+        strides = b.args[3] if len(b.args) > 3 and b.args[3] else [1] * a.ndim
+        return tuple(b.args[1][-2:]) == (0, 0) and tuple(strides[-2:]) == (1, 1)
+    if tuple(a.shape[-2:]) != tuple(out.shape[-2:]):
+        return False
+    return b.sym.id != P.BROADCAST_IN_DIM or tuple(b.args[2][-2:]) == (out.ndim - 2, out.ndim - 1)
+
+
+def _diagonal_low(form: Affine, shape: Sequence[int]) -> int:
+    """The least value of ``form`` over the elements whose last two indices are equal."""
+    coef = dict(form.coef)
+    diagonal = coef.pop(-2, 0) + coef.pop(-1, 0)
+    low = form.const + min(0, diagonal * (min(shape[-2], shape[-1]) - 1))
+    return low + sum(min(0, c * (shape[a] - 1)) for a, c in coef.items())
 
 
 _SDPA = inspect.signature(ltorch.scaled_dot_product_attention.meta)

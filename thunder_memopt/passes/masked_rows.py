@@ -9,8 +9,9 @@ autodiff, each attention whose mask may have such rows reads a mask in which tho
 key (finite), and its output is zeroed there: ``where(row_has_a_key, sdpa(q, k, v, mask'), 0)``.
 Every other row's mask is unchanged, so every other value and gradient is the same, bit for bit.
 
-Untouched: ``is_causal`` and mask-free attention, masks proven causal (``causal_mask.is_causal_mask``,
-whose rows all hold their diagonal) and additive masks that hold no -inf by how they are made
+Untouched: ``is_causal`` and mask-free attention, boolean masks that show each query its own key by
+how they are made (``causal_mask.shows_each_query_its_own_key``: causal and sliding-window causal
+masks without padding) and additive masks that hold no -inf by how they are made
 (``torch.finfo(dtype).min`` fills, transformers' float masks). Each distinct mask is prepared once.
 """
 
@@ -28,7 +29,7 @@ from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_memopt.passes.causal_mask import _Values, is_causal_mask
+from thunder_memopt.passes.causal_mask import _Values, shows_each_query_its_own_key
 
 __all__ = ["zero_fully_masked_rows"]
 
@@ -93,7 +94,7 @@ _RULES: dict[object, Callable[[_NoNegativeInfinity, dict, TensorProxy], bool]] =
 def _may_hide_every_key(causal: _Values, finite: _NoNegativeInfinity, mask) -> bool:
     """Whether some row of ``mask`` may hide every key from its query, by how the mask is made."""
     if dtypes.is_boolean_dtype(mask.dtype):
-        return not is_causal_mask(causal, mask)
+        return not shows_each_query_its_own_key(causal, mask)
     return not finite.holds_none(mask, mask.dtype)
 
 
