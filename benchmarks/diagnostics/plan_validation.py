@@ -28,7 +28,7 @@ ROWS = (
     ("llama3_8b_32l_zero2_sim8_T8192_budgets.jsonl", "274ebb3"),
     ("llama3_8b_32l_zero2_sim8_1xH100_T8192_cap45.jsonl", "c7dec7b-dirty"),
     ("stablecode_32l_zero2_1xH100_T16384_cap40.jsonl", "c7dec7b-dirty"),
-    ("stablecode_32l_zero2_1xH100_T32768_cap40.jsonl", "c7dec7b-dirty"),
+    ("stablecode_32l_zero2_1xH100_T32768_cap40.jsonl", "32b375e-dirty"),
     ("llama3_70b_80l_zero3_sim64_T8192_budget0.jsonl", "858ecda"),
     ("hf_qwen3_8b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
     ("hf_gemma_2_2b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
