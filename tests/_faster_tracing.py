@@ -7,10 +7,13 @@ same traces, the same kernels, the same numbers.
 
 from __future__ import annotations
 
+import _thread
 import functools
 import gc
 import os
+import subprocess
 import sys
+import types
 
 
 def _decode_each_code_object_once() -> None:
@@ -58,6 +61,147 @@ def _provenance_records_without_checks() -> None:
     ProvenanceRecord.__post_init__ = post_init
 
 
+def _python_frames_without_spinning() -> None:
+    """When an exception leaves a frame that Thunder's interpreter runs (``getattr`` with a default,
+    ``hasattr``, a ``try`` in torch's or litgpt's Python), ``get_or_make_python_frame`` makes a
+    Python frame for its traceback: a nested ``get_frame`` raises in a new thread, and the caller
+    spins with the GIL held until the thread has appended the frame, so the thread runs only once
+    the switch interval (5 ms) takes the GIL from the spinner: 8 ms a frame, 106 frames in one
+    2-layer Llama step. The tests' processes run the same ``get_frame`` in the same kind of thread
+    and wait on a lock, which gives up the GIL: the same frame in under a millisecond."""
+    from thunder.core.interpreter import InterpreterFrame
+
+    original = InterpreterFrame.get_or_make_python_frame
+    if getattr(original, "_without_spinning", False):
+        return
+    code = next(c for c in original.__code__.co_consts if getattr(c, "co_name", None) == "get_frame")
+    get_frame = types.FunctionType(code, original.__globals__)
+
+    class Appended(list):
+        """A list that releases ``done`` at its first append."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.done = _thread.allocate_lock()
+            self.done.acquire()
+
+        def append(self, item) -> None:
+            super().append(item)
+            self.done.release()
+
+    def get_or_make_python_frame(self: InterpreterFrame):
+        assert self.positions is not None
+        lineno = self.positions.lineno
+        if lineno is None:
+            lineno = self.code.co_firstlineno
+        result = Appended()
+        _thread.start_new_thread(get_frame, (result, lineno - self.code.co_firstlineno + 1, self.code.co_filename,
+                                             self.code.co_firstlineno, self.code.co_name, self.qualname))
+        with result.done:
+            return result[0]
+
+    get_or_make_python_frame._without_spinning = True
+    InterpreterFrame.get_or_make_python_frame = get_or_make_python_frame
+
+
+class _IsaCheckLoadsInProcess:
+    """``subprocess`` as inductor's ISA checks see it, but for ``check_call``: see
+    ``_isa_extension_checks_in_process``."""
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def check_call(args: list[str], **kwargs) -> int:
+        if args[:2] != [sys.executable, "-c"]:
+            return subprocess.check_call(args, **kwargs)
+        exec(args[2], {})  # an OSError where the library does not load, as the process would fail
+        return 0
+
+
+def _isa_extension_checks_in_process() -> None:
+    """With TORCHINDUCTOR_VEC_ISA_OK (``apply``), inductor still checks the extensions of the ISA it
+    picks (AVX-512 BF16 and VNNI, AMX tiles and FP16 here) by loading a test library (built once,
+    cached on disk) in a new Python process that imports torch: six processes, 9 s here, in each
+    process that compiles or loads a CPU kernel. The tests' processes run the same check's code, the
+    import and the load, in themselves, where torch is already imported: the same ISA in 0.1 s."""
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    cpu_vec_isa.subprocess = _IsaCheckLoadsInProcess()
+
+
+class _Uncacheable(Exception):
+    """An argument whose meta check a key cannot stand for."""
+
+
+def _argument_key(arg) -> object:
+    """What Thunder's meta check of a graph node reads of one argument (``get_proxy_inputs_from_node``):
+    a tensor's shape, dtype and device (it proxies a new tensor of ones), a symbolic int's hint, and
+    plain values as they are."""
+    import torch
+    import torch.fx
+    from thunder.dynamo.utils import _concrete_value
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(arg, torch.fx.Node):
+        value = arg.meta.get("example_value") if arg.op != "get_attr" else None
+        values = value if isinstance(value, tuple) else (value,)
+        # Not a subclass that proxies with more than these (a DTensor's mesh and placements).
+        if all(type(v) in (FakeTensor, torch.Tensor, torch.nn.Parameter) for v in values):
+            tensors = tuple((_concrete_value(v.shape), v.dtype, v.device, v.requires_grad) for v in values)
+            return (type(value), tensors)
+        if isinstance(value, torch.SymInt) and value.node.has_hint():
+            return (int, value.node.hint)
+        raise _Uncacheable
+    if isinstance(arg, (list, tuple)):
+        return (type(arg), tuple(_argument_key(a) for a in arg))
+    if isinstance(arg, dict):
+        return (dict, tuple((k, _argument_key(v)) for k, v in arg.items()))
+    if isinstance(arg, slice):
+        return (slice, _argument_key(arg.start), _argument_key(arg.stop), _argument_key(arg.step))
+    if isinstance(arg, float):
+        return (float, repr(arg))  # -0.0 apart from 0.0
+    if arg is None or arg is Ellipsis or isinstance(arg, (bool, int, str, torch.dtype, torch.device,
+                                                          torch.memory_format, torch.layout)):
+        return (type(arg), arg)
+    raise _Uncacheable
+
+
+def _supported_nodes_checked_once() -> None:
+    """ThunderCompiler's splitter asks of each node of each dynamo graph whether Thunder runs it
+    (``try_execute_thunder_symbol``): it proxies the node's arguments and traces the symbol, with its
+    gradient where an argument requires one. That is a third of a transformers model's compilation,
+    and the same nodes come again: each layer's, and each graph that a test compiles twice (plain
+    ThunderCompiler and thunderfx_backend). The tests' processes keep each check that passed, keyed
+    by all it reads (``_argument_key``; Torch's default dtype and device, grad and autocast modes,
+    ``disable_torch_autograd``), and run the others, failures included, as Thunder does."""
+    import torch
+    import thunder.dynamo.utils as dynamo_utils
+
+    original = dynamo_utils.try_execute_thunder_symbol
+    if getattr(original, "_checked_once", False):
+        return
+    passed: set = set()
+
+    def try_execute_thunder_symbol(thunder_symbol, node, thunder_options):
+        try:
+            key = (thunder_symbol, _argument_key(node.args), _argument_key(node.kwargs),
+                   thunder_options.get("disable_torch_autograd", None), torch.get_default_dtype(),
+                   torch.get_default_device(), torch.is_grad_enabled(), torch._C._is_any_autocast_enabled())
+            hash(key)
+        except (_Uncacheable, TypeError):
+            return original(thunder_symbol, node, thunder_options)
+        if key in passed:
+            return True, None
+        result = original(thunder_symbol, node, thunder_options)
+        if result == (True, None):
+            passed.add(key)
+        return result
+
+    try_execute_thunder_symbol._checked_once = True
+    dynamo_utils.try_execute_thunder_symbol = try_execute_thunder_symbol
+
+
 def _fewer_cyclic_collections() -> None:
     """Thunder's interpreter makes millions of short-lived objects a compilation, which set off
     Python's cyclic collector every 700 allocations and a full collection (a walk over every object
@@ -77,6 +221,9 @@ def apply() -> None:
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
     if (config := sys.modules.get("torch._inductor.config")) is not None and config.cpp.vec_isa_ok is None:
         config.cpp.vec_isa_ok = config.vec_isa_ok_default()  # read at its import, already done
+    _isa_extension_checks_in_process()
     _decode_each_code_object_once()
     _provenance_records_without_checks()
+    _python_frames_without_spinning()
+    _supported_nodes_checked_once()
     _fewer_cyclic_collections()
