@@ -74,6 +74,10 @@ def op_seconds(bsym: BoundSymbol, rates: DeviceRates) -> float:
     return max(estimate_flops(bsym) / rates.flops, moved / rates.memory)
 
 
+# How long the matmul runs before its rate is timed, so that the clocks have risen.
+_WARM_UP_SECONDS = 0.05
+
+
 @functools.cache
 def measure_rates(device: torch.device) -> DeviceRates:
     """A CUDA device's copy, matmul and memory rates, each the best of a few timed runs after the
@@ -110,6 +114,3 @@ def measure_rates(device: torch.device) -> DeviceRates:
         flops=2 * n**3 / best_seconds(lambda: a @ b),
         memory=2 * nbytes / best_seconds(lambda: other.copy_(dev)),
     )
-
-
-_WARM_UP_SECONDS = 0.05
