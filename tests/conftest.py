@@ -77,6 +77,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
     return SharedStepsScheduling(config, log)
 
 
+def _started_processes_trace_faster() -> None:
+    """The Python processes that tests start (torchrun jobs, the benchmarks, the examples) apply
+    _faster_tracing.py too, through tests/_site/sitecustomize.py: test_benchmark_smoke's run took
+    36 s instead of 49 alone on this machine."""
+    site = str(Path(__file__).with_name("_site"))
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if site not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, *paths) if p)
+
+
+_started_processes_trace_faster()
+
+
 def _one_share_of_the_cores_per_worker() -> None:
     """Under pytest-xdist (make test: two workers on two cores) each worker's ops run on its share of
     the cores. With each worker's OpenMP pool as wide as the machine, one worker's threads take the
