@@ -67,16 +67,17 @@ class StepPlan:
 
 @contextlib.contextmanager
 def _executors_claim_meta(gpu: bool) -> Iterator[list]:
-    """With ``gpu``, the GPU's executors, claiming meta tensors: cuDNN attention's checker passes, the
-    fusion executor takes the meta device, the loss head's chunk math is priced as one kernel, as on
-    CUDA, and no region is compiled ahead. Else a CPU's: the fused loss head and Thunder's defaults,
-    as ``thunderfx_backend(fusion=False)`` runs on CPU."""
+    """With ``gpu``, the GPU's executors, claiming meta tensors: cuDNN attention's checker passes,
+    flash's window kernels serve meta, the fusion executor takes the meta device, the loss head's
+    chunk math is priced as one kernel, as on CUDA, and no region is compiled ahead. Else a CPU's:
+    the fused loss head and Thunder's defaults, as ``thunderfx_backend(fusion=False)`` runs on CPU."""
     import thunder
     import thunder.torch as ltorch
 
     import thunder_memopt.transform as transform_module
     from thunder_memopt.executors import InductorFusionExecutor, cudnn_attention_ex, linear_cross_entropy_ex
     from thunder_memopt.executors._head_accounting import PRICED_AS_COMPILED
+    from thunder_memopt.executors.window_attention import SERVED_DEVICES
 
     if not gpu:
         yield [linear_cross_entropy_ex, *thunder.get_default_executors()]
@@ -85,12 +86,14 @@ def _executors_claim_meta(gpu: bool) -> Iterator[list]:
     checker, compile_ahead = impl.checker, transform_module.compile_ahead
     impl.checker, transform_module.compile_ahead = (lambda *a, **k: True), (lambda traces: 0)
     PRICED_AS_COMPILED.add("meta")
+    SERVED_DEVICES.add("meta")
     try:
         fusion = InductorFusionExecutor("memopt_fusion_meta", devices=("meta",))
         yield [linear_cross_entropy_ex, cudnn_attention_ex, fusion, *thunder.get_default_executors()]
     finally:
         impl.checker, transform_module.compile_ahead = checker, compile_ahead
         PRICED_AS_COMPILED.discard("meta")
+        SERVED_DEVICES.discard("meta")
 
 
 def _ladder(module: torch.nn.Module, args: Sequence[torch.Tensor], executors: list, *, head: bool) -> Program:

@@ -16,7 +16,7 @@ import torch
 from thunder.core.symbol import BoundSymbol
 
 from thunder_memopt.core.memory import tensor_nbytes
-from thunder_memopt.core.ops import FUSED_LOSS_HEAD_MATMULS, moves_data, op_names
+from thunder_memopt.core.ops import FUSED_LOSS_HEAD_MATMULS, WINDOW_ARGUMENT, moves_data, op_names
 from thunder_memopt.core.trace import is_bookkeeping, tensor_args, tensor_outs
 
 __all__ = ["DeviceRates", "estimate_flops", "op_seconds", "measure_rates"]
@@ -59,6 +59,8 @@ def estimate_flops(bsym: BoundSymbol) -> int:
     if names & {"scaled_dot_product_attention"} or any("sdpa" in n or "attention" in n for n in names):
         q = args[0]
         seq_k = int(args[1].shape[-2]) if len(args) > 1 else int(q.shape[-2])
+        if bsym.sym.name in WINDOW_ARGUMENT:
+            seq_k = min(seq_k, int(bsym.args[WINDOW_ARGUMENT[bsym.sym.name]]))
         return 4 * int(q.numel) * seq_k
     if args and len(args[0].shape) > 0 and names & {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm"}:
         return 2 * out_numel * int(args[0].shape[-1])

@@ -50,6 +50,7 @@ __all__ = [
     "EMBEDDING",
     "FUSED_LOSS_HEAD",
     "FUSED_LOSS_HEAD_MATMULS",
+    "WINDOW_ARGUMENT",
 ]
 
 # Replaying would draw new numbers.
@@ -102,7 +103,12 @@ ATTENTION = frozenset({
     "sdpaex_scaled_dot_product_efficient_attention_backward",
     "sdpafx_scaled_dot_product_efficient_attention_backward",
     "memopt_cudnn_sdpa_attention_forward", "memopt_cudnn_sdpa_attention_backward",
+    "memopt_window_attention", "memopt_window_attention_forward", "memopt_window_attention_backward",
 })
+# thunder_memopt's sliding-window attention (executors/window_attention.py): the position of its
+# window, the keys each query reads, among its arguments.
+WINDOW_ARGUMENT = {"memopt_window_attention": 3, "memopt_window_attention_forward": 3,
+                   "memopt_window_attention_backward": 6}
 EMBEDDING = frozenset({"embedding", "embedding_backward", "take"})
 # thunder_memopt's fused linear + cross-entropy (executors/chunked_cross_entropy.py): matmuls over
 # the vocabulary, never fused into a region. Each op's count of (tokens x hidden) @ (hidden x vocab)

@@ -7,7 +7,8 @@
 - ``linear_cross_entropy_ex`` (executors/chunked_cross_entropy.py): the fused loss head, which
   MemoryOptimization's ``loss_head`` pass puts in place of ``linear -> cross_entropy``.
 - ``cudnn_attention_ex`` (executors/cudnn_attention.py): SDPA through torch's cuDNN kernels, where
-  cuDNN serves the inputs; Thunder's sdpa executor takes the rest.
+  cuDNN serves the inputs; Thunder's sdpa executor takes the rest. With it, the sliding windows that
+  the ``causal_mask`` pass proves run on flash's window kernels (executors/window_attention.py).
 
 Where nvFuser is among the default executors, ``executors()`` leaves the fusion executor out:
 nvFuser fuses the same ops, and Thunder's rematerialization and our recompute pass both know its
@@ -30,6 +31,7 @@ from thunder.extend import Executor
 from thunder_memopt.executors import _head_accounting  # noqa: F401  registers the head ops' workspace
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy, linear_cross_entropy_ex
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
+from thunder_memopt.executors import window_attention  # noqa: F401  registers its ops on cudnn_attention_ex
 from thunder_memopt.executors.fusion import (
     CompileStats,
     InductorFusionExecutor,

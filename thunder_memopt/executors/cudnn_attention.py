@@ -36,7 +36,7 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_memopt.core.memory import OUTPUT_STRIDES, dense_strides_like
 
-__all__ = ["cudnn_attention_ex", "cudnn_supports", "max_head_size"]
+__all__ = ["cudnn_attention_ex", "cudnn_supports", "max_head_size", "matching_layouts", "OUTPUT_LIKE_QUERY"]
 
 cudnn_attention_ex = OperatorExecutor("memopt_cudnn_attention", version=torch.__version__)
 register_executor(cudnn_attention_ex)
@@ -213,20 +213,22 @@ def _grad(query: Proxy, key: Proxy, value: Proxy, attn_mask=None, dropout_p: flo
     return out
 
 
-def _matching_layouts(bsym, strides) -> dict:
+def matching_layouts(bsym, strides) -> dict:
     """cuDNN allocates the output like the query, and each input's gradient like that input: dense,
     with the input's order of dimensions in memory (ATen's ``alloc_with_matching_layout``). So the
     gradient of a value that views the fused qkv projection is (B, T, H, D) in memory, and a region
-    that reads it is compiled ahead for that."""
-    if bsym.sym.name == cudnn_sdpa_fwd.name:
-        like = ((bsym.output[0], bsym.args[0]),)
-    else:
+    that reads it is compiled ahead for that. Flash allocates alike (``empty_like``)."""
+    if bsym.sym.name in OUTPUT_LIKE_QUERY:
+        like = ((bsym.flat_proxy_outs[0], bsym.args[0]),)
+    else:  # a backward: the gradients of its 2nd to 4th arguments, q, k and v
         like = zip(bsym.output, bsym.args[1:4])
     return {out.name: dense_strides_like(out.shape, strides[inp.name])
             for out, inp in like if inp.name in strides}
 
 
-OUTPUT_STRIDES.update({cudnn_sdpa_fwd.name: _matching_layouts, cudnn_sdpa_bwd.name: _matching_layouts})
+# The attention ops whose (first) output is allocated like their query.
+OUTPUT_LIKE_QUERY = {cudnn_sdpa_fwd.name}
+OUTPUT_STRIDES.update({cudnn_sdpa_fwd.name: matching_layouts, cudnn_sdpa_bwd.name: matching_layouts})
 
 cudnn_attention_ex.register_implementation(
     ltorch.scaled_dot_product_attention, checker=cudnn_supports, execution_transform=_execution, grad_transform=_grad,

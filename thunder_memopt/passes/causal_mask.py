@@ -16,451 +16,164 @@ on the last two axes: causal. A tensor made any other way proves nothing (a trac
 a padding mask, whatever its values; an op this does not follow), and its attention keeps its
 mask, and with it its numerics. Only the attention changes; the ops that made the mask are left
 to dead-code elimination.
+
+A mask proven a sliding window, ``0 <= q_idx - kv_idx < w`` (``sliding_window``), makes its attention
+``window_attention`` (thunder_memopt.executors.window_attention), whose kernel skips the keys
+outside the window, where flash serves the inputs (CUDA); elsewhere it keeps its mask.
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import thunder.core.dtypes as dtypes
 import thunder.torch as ltorch
-import torch
-from thunder.core import prims
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transform_common import dce
 
-__all__ = ["Affine", "AtLeastZero", "is_causal_mask", "shows_each_query_its_own_key", "causal_attention",
-           "causal_outputs"]
+from thunder_memopt.executors.window_attention import window_attention, window_supports
+from thunder_memopt.passes.index_values import (P, Affine, AtLeastZero, TensorValues, constant_of, normalized,
+                                                  number_of)
 
-P = prims.PrimIDs
+__all__ = ["is_causal_mask", "shows_each_query_its_own_key", "sliding_window", "causal_attention", "causal_outputs"]
 
 
-@dataclass(frozen=True)
-class Affine:
-    """A tensor whose every element is ``const + sum(coef * index)`` over its axes, axes counted
-    from the last (-1), so that broadcasting keeps them; integers (booleans as 0 and 1)."""
-
-    coef: tuple[tuple[int, int], ...]  # (axis, coefficient), sorted, no zero coefficients
-    const: int
-
-    @staticmethod
-    def of(coef: dict[int, int], const: int) -> Affine:
-        return Affine(tuple(sorted((a, c) for a, c in coef.items() if c)), const)
-
-    @property
-    def constant(self) -> bool:
-        return not self.coef
-
-    def plus(self, other: Affine, sign: int = 1) -> Affine:
-        coef = dict(self.coef)
-        for a, c in other.coef:
-            coef[a] = coef.get(a, 0) + sign * c
-        return Affine.of(coef, self.const + sign * other.const)
-
-    def times(self, k: int) -> Affine:
-        return Affine.of({a: k * c for a, c in self.coef}, k * self.const)
-
-
-@dataclass(frozen=True)
-class AtLeastZero:
-    """A boolean tensor (or one of ones and zeros): true where ``form`` is at least zero."""
-
-    form: Affine
-
-
-Value = Affine | AtLeastZero
-
-
-def _constant(x: Value | None) -> int | None:
-    """The value of every element, where all are one known integer (booleans as 0 and 1)."""
-    if isinstance(x, Affine) and x.constant:
-        return x.const
-    if isinstance(x, AtLeastZero) and x.form.constant:
-        return int(x.form.const >= 0)
-    return None
-
-
-def _number(x) -> Affine | None:
-    if isinstance(x, int):  # bools too
-        return Affine.of({}, int(x))
-    if isinstance(x, float) and x.is_integer():
-        return Affine.of({}, int(x))
-    return None
-
-
-# Integers that every float dtype holds exactly (bf16 has 8 significant bits).
-_EXACT_IN_FLOATS = 2**8
-
-
-def _exact(form: Affine, out: TensorProxy) -> bool:
-    """Whether ``out``'s dtype holds every value of ``form`` over ``out``'s indices exactly: within an
-    integer dtype's range (no wrap-around), 0 or 1 for booleans, small constants for floats."""
-    if dtypes.is_boolean_dtype(out.dtype):
-        return form.constant and form.const in (0, 1)
-    if not dtypes.is_exact_dtype(out.dtype):
-        return form.constant and abs(form.const) <= _EXACT_IN_FLOATS
-    low = high = form.const
-    for a, c in form.coef:
-        span = c * (out.shape[a] - 1)
-        low, high = low + min(0, span), high + max(0, span)
-    info = torch.iinfo(dtypes.to_torch_dtype(out.dtype))
-    return info.min <= low and high <= info.max
-
-
-def _normalized(value: Value | None, out) -> Value | None:
-    """``value`` for the tensor ``out``, coefficients of its size-1 axes dropped (their index is 0),
-    or None where ``out``'s dtype would not hold it exactly."""
-    if value is None or not isinstance(out, TensorProxy):
-        return None
-    form = value.form if isinstance(value, AtLeastZero) else value
-    kept = Affine.of({a: c for a, c in form.coef if -out.ndim <= a < 0 and out.shape[a] != 1}, form.const)
-    if isinstance(value, AtLeastZero):  # ones and zeros, in any dtype
-        return AtLeastZero(kept) if not kept.constant else Affine.of({}, int(kept.const >= 0))
-    return kept if _exact(kept, out) else None
-
-
-def _moved(x: Value, to_axis: Callable[[int], int | None]) -> Value | None:
-    """``x`` with each axis ``a`` become ``to_axis(a)`` (None: the axis is gone, fine for size 1)."""
-    form = x.form if isinstance(x, AtLeastZero) else x
-    coef = {}
-    for a, c in form.coef:
-        b = to_axis(a)
-        if b is None:
-            return None
-        coef[b] = c
-    moved = Affine.of(coef, form.const)
-    return AtLeastZero(moved) if isinstance(x, AtLeastZero) else moved
-
-
-# Each rule takes ``values``, the bound symbol's arguments by name (its meta's signature) with each
-# tensor, list of tensors and operand number replaced by its value (None: unknown), ``raw``, the same
-# arguments as they are (proxies, shapes, dims), and the output; it returns the output's value or
-# None (unknown).
-
-
-def _iota(values, raw, out):
-    start, step = _number(raw["start"]), _number(raw["step"])
-    return None if start is None or step is None else Affine.of({-1: step.const}, start.const)
-
-
-def _full(values, raw, out):
-    return _number(raw["fill_value"])
-
-
-def _broadcast_in_dim(values, raw, out):
-    a, bd = values["a"], raw["broadcast_dimensions"]
-    if a is None:
-        return None
-    return _moved(a, lambda ax: bd[ax + len(bd)] - out.ndim)
-
-
-def _moved_kept(a: Value | None, source: TensorProxy, kept_in: Sequence[int], out: TensorProxy) -> Value | None:
-    """``a`` where the axes ``kept_in`` of ``source`` (positive) become ``out``'s axes of size other
-    than 1, in order, and every other axis of ``source`` has size 1."""
-    kept_out = [i for i, s in enumerate(out.shape) if s != 1]
-    if a is None or [source.shape[i] for i in kept_in] != [out.shape[i] for i in kept_out]:
-        return None
-    return _moved(a, {i - source.ndim: j - out.ndim for i, j in zip(kept_in, kept_out)}.get)
-
-
-def _reshape(values, raw, out):
-    """Only reshapes that add or drop size-1 axes keep the index of the others; a constant any."""
-    a, source = values["a"], raw["a"]
-    if _constant(a) is not None:
-        return a
-    return _moved_kept(a, source, [i for i, s in enumerate(source.shape) if s != 1], out)
-
-
-def _squeeze(values, raw, out):
-    source, dims = raw["a"], {d % raw["a"].ndim for d in raw["dims"]}
-    return _moved_kept(values["a"], source, [i for i in range(source.ndim) if i not in dims], out)
-
-
-def _transpose(values, raw, out):
-    a, perm = values["a"], raw["permutation"]
-    if a is None:
-        return None
-    where = {p: i for i, p in enumerate(perm)}
-    return _moved(a, lambda ax: where[ax + len(perm)] - len(perm))
-
-
-def _slice(values, raw, out):
-    """Element ``j`` of a slice is element ``start + j * stride`` of its source."""
-    a, source = values["a"], raw["a"]
-    if a is None:
-        return None
-    form = a.form if isinstance(a, AtLeastZero) else a
-    coef, const = dict(form.coef), form.const
-    for i, (start, stride) in enumerate(zip(raw["start_indices"], raw["strides"] or [1] * source.ndim)):
-        c = coef.get(i - source.ndim, 0)
-        const += c * start
-        coef[i - source.ndim] = c * stride
-    sliced = Affine.of(coef, const)
-    return AtLeastZero(sliced) if isinstance(a, AtLeastZero) else sliced
-
-
-def _convert(values, raw, out):
-    a = values["a"]
-    if dtypes.is_boolean_dtype(raw["dtype"]) and isinstance(a, Affine):
-        c = _constant(a)
-        return None if c is None else Affine.of({}, int(c != 0))
-    return a
-
-
-def _same(values, raw, out):
-    return values["a"]
-
-
-def _affine_operands(values) -> tuple[Affine, Affine] | None:
-    a, b = values["a"], values["b"]
-    return (a, b) if isinstance(a, Affine) and isinstance(b, Affine) else None
-
-
-def _add_or_sub(sign: int):
-    def rule(values, raw, out):
-        ab = _affine_operands(values)
-        return None if ab is None else ab[0].plus(ab[1], sign)
-    return rule
-
-
-def _mul(values, raw, out):
-    ab = _affine_operands(values)
-    if ab is None or not (ab[0].constant or ab[1].constant):
-        return None
-    a, b = ab if ab[1].constant else ab[::-1]
-    return a.times(b.const)
-
-
-def _neg(values, raw, out):
-    a = values["a"]
-    return a.times(-1) if isinstance(a, Affine) else None
-
-
-_ONE = Affine.of({}, 1)
-
-
-def _below_zero(form: Affine) -> AtLeastZero:
-    """True where ``form`` (integer) is below zero: ``-form - 1 >= 0``."""
-    return AtLeastZero(form.times(-1).plus(_ONE, -1))
-
-
-def _not(values, raw, out):
-    """``~a``: for booleans the negation, for integers ``-a - 1``."""
-    a = values["a"]
-    if not dtypes.is_boolean_dtype(out.dtype):
-        return _neg(values, raw, out).plus(_ONE, -1) if isinstance(a, Affine) else None
-    if isinstance(a, AtLeastZero):
-        return _below_zero(a.form)
-    c = _constant(a)
-    return None if c is None else Affine.of({}, 1 - c)
-
-
-def _compare(at_least_zero: Callable[[Affine, Affine], Affine]):
-    """The rule of a comparison of integers that is true where ``at_least_zero(a, b) >= 0``."""
-    def rule(values, raw, out):
-        ab = _affine_operands(values)
-        return None if ab is None else AtLeastZero(at_least_zero(*ab))
-    return rule
-
-
-def _equality(equal: bool):
-    def rule(values, raw, out):
-        ab = _affine_operands(values)
-        if ab is None:
-            return None
-        difference = ab[0].plus(ab[1], -1)
-        return Affine.of({}, int((difference.const == 0) == equal)) if difference.constant else None
-    return rule
-
-
-def _logical(absorbing: int):
-    """``and`` (absorbing 0) or ``or`` (absorbing 1) of booleans (for integers, bitwise: unknown)."""
-    def rule(values, raw, out):
-        a, b = values["a"], values["b"]
-        if not dtypes.is_boolean_dtype(out.dtype):
-            return None
-        for x, y in ((a, b), (b, a)):
-            c = _constant(x)
-            if c == absorbing:
-                return Affine.of({}, absorbing)
-            if c == 1 - absorbing:
-                return y
-        return a if a is not None and a == b else None
-    return rule
-
-
-def _where(values, raw, out):
-    pred, a, b = values["pred"], values["a"], values["b"]
-    c = _constant(pred)
-    if c is not None:
-        return a if c else b
-    if not isinstance(pred, AtLeastZero):
-        return None
-    picked = (_constant(a), _constant(b))
-    if picked == (1, 0):
-        return pred
-    return _below_zero(pred.form) if picked == (0, 1) else None
-
-
-def _cat(values, raw, out):
-    """Pieces that continue one another: the same coefficients, and each piece's values those of the
-    first's function at its offset along the joined axis (a piece of size 1 there fits any step)."""
-    parts, pieces, dim = values["tensors"], raw["tensors"], raw["dim"] % out.ndim - out.ndim
-    if not all(isinstance(p, Affine) for p in parts):
-        return None
-    steps = {dict(p.coef).get(dim, 0) for p, t in zip(parts, pieces) if t.shape[dim] != 1}
-    others = {tuple((a, c) for a, c in p.coef if a != dim) for p in parts}
-    if len(steps) > 1 or len(others) > 1:
-        return None
-    step = steps.pop() if steps else 0
-    offsets = [0, *itertools.accumulate(t.shape[dim] for t in pieces)]
-    if len({p.const - step * o for p, o in zip(parts, offsets)}) != 1:
-        return None
-    return Affine.of({**dict(others.pop()), dim: step}, parts[0].const)
-
-
-def _gather_of_constant(values, raw, out):
-    """Elements picked from a constant tensor are that constant, whatever the indices."""
-    a = values["a"]
-    return a if _constant(a) is not None else None
-
-
-def _cumsum(values, raw, out):
-    """The running sum of a constant ``c`` along an axis is ``c * (index + 1)``."""
-    c = _constant(values["a"])
-    return None if c is None else Affine.of({raw["dim"] % out.ndim - out.ndim: c}, c)
-
-
-_RULES: dict[object, Callable] = {
-    P.IOTA: _iota,
-    P.FULL: _full,
-    P.BROADCAST_IN_DIM: _broadcast_in_dim,
-    P.RESHAPE: _reshape,
-    P.SQUEEZE: _squeeze,
-    P.TRANSPOSE: _transpose,
-    P.SLICE: _slice,
-    P.CONVERT_ELEMENT_TYPE: _convert,
-    P.SHALLOW_COPY: _same,
-    P.STRIDE_ORDER: _same,
-    P.ADD: _add_or_sub(1),
-    P.SUB: _add_or_sub(-1),
-    P.MUL: _mul,
-    P.NEG: _neg,
-    P.BITWISE_NOT: _not,
-    P.GE: _compare(lambda a, b: a.plus(b, -1)),
-    P.LE: _compare(lambda a, b: b.plus(a, -1)),
-    P.GT: _compare(lambda a, b: a.plus(b, -1).plus(_ONE, -1)),
-    P.LT: _compare(lambda a, b: b.plus(a, -1).plus(_ONE, -1)),
-    P.EQ: _equality(True),
-    P.NE: _equality(False),
-    P.BITWISE_AND: _logical(0),
-    P.BITWISE_OR: _logical(1),
-    P.WHERE: _where,
-    P.CAT: _cat,
-    P.TAKE: _gather_of_constant,
-    P.TAKE_ALONG_AXIS: _gather_of_constant,
-    P.GATHER: _gather_of_constant,
-    ltorch.cumsum.id: _cumsum,
-}
-_OPERANDS = ("a", "b", "pred")  # the arguments of elementwise ops, tensors or numbers
-
-
-class _Values:
-    """The values of a trace's tensors, each computed once, on demand, from its producer: the outermost
-    bound symbol that makes it and has a rule, else the symbols of its decomposition; ``assumed``: the
-    values of some tensors (by name), taken as given."""
-
-    def __init__(self, trace: TraceCtx, assumed: dict[str, Value] | None = None) -> None:
-        self._producers: dict[str, list[BoundSymbol]] = {}
-        stack = list(reversed(trace.bound_symbols))
-        while stack:  # outer symbols before the symbols of their decompositions
-            b = stack.pop()
-            for out in b.flat_proxy_outs:
-                self._producers.setdefault(out.name, []).append(b)
-            stack.extend(reversed(b.subsymbols))
-        self._known: dict[str, Value | None] = dict(assumed or {})
-
-    def of(self, x) -> Value | None:
-        """The value of a tensor or a number; None where it is not known."""
-        if not isinstance(x, TensorProxy):
-            return _number(x)
-        if x.name not in self._known:
-            self._known[x.name] = None  # while it is being found
-            found = (self._apply(b, x) for b in self._producers.get(x.name, ()))
-            self._known[x.name] = next((v for v in found if v is not None), None)
-        return self._known[x.name]
-
-    def producers(self, x: TensorProxy) -> list[BoundSymbol]:
-        """The bound symbols that make ``x``: the outermost first, then those of decompositions."""
-        return self._producers.get(x.name, [])
-
-    def _apply(self, b: BoundSymbol, out: TensorProxy) -> Value | None:
-        rule = _RULES.get(b.sym.id)
-        if rule is None or b.output is not out:
-            return None
-        raw = inspect.signature(b.sym.meta).bind(*b.args, **b.kwargs).arguments
-        values = {}
-        for name, a in raw.items():
-            if isinstance(a, TensorProxy) or name in _OPERANDS:
-                values[name] = self.of(a)
-            elif name == "tensors":
-                values[name] = [self.of(t) for t in a]
-        return _normalized(rule(values, raw, out), out)
-
-
-def is_causal_mask(values: _Values, mask) -> bool:
+def is_causal_mask(values: TensorValues, mask) -> bool:
     """Whether ``mask`` is, by how it is made, true exactly where the key's index (its last axis) is
-    at most the query's (the axis before): ``k * (q_idx - kv_idx) >= 0`` for some ``k > 0``."""
-    if not isinstance(mask, TensorProxy) or not dtypes.is_boolean_dtype(mask.dtype) or mask.ndim < 2:
-        return False
-    value = values.of(mask)
-    if not isinstance(value, AtLeastZero):
-        return False
-    coef, k = dict(value.form.coef), dict(value.form.coef).get(-2, 0)
-    return k > 0 and coef == {-2: k, -1: -k} and value.form.const == 0
+    at most the query's (the axis before): ``k * (q_idx - kv_idx) >= 0`` for some ``k > 0``, alone or
+    AND-ed with a window that every query's keys fit in."""
+    band = _band(values, mask)
+    return band is not None and band[0] == 0 and (band[1] is None or band[1] >= mask.shape[-2] - 1)
 
 
-def shows_each_query_its_own_key(values: _Values, mask) -> bool:
+def shows_each_query_its_own_key(values: TensorValues, mask) -> bool:
     """Whether ``mask`` is, by how it is made, true wherever the key's index (its last axis) equals
     the query's (the axis before), with a key for every query: then no query sees no key. Causal
     masks are, and so are sliding windows of at least one key (``kv_idx > q_idx - window``) and an
     AND of such masks, transformers' sliding-window causal mask (Mistral, Phi-3, Gemma-2); a padding
     mask, a trace input, proves nothing."""
     return (isinstance(mask, TensorProxy) and dtypes.is_boolean_dtype(mask.dtype) and mask.ndim >= 2
-            and mask.shape[-1] >= mask.shape[-2] and _true_on_the_diagonal(values, mask))
+            and mask.shape[-1] >= mask.shape[-2] and _true_on_the_diagonal(_formula(values, mask)))
 
 
-def _true_on_the_diagonal(values: _Values, x: TensorProxy) -> bool:
+def sliding_window(values: TensorValues, mask) -> int | None:
+    """The window ``w`` where ``mask`` is, by how it is made, true exactly where
+    ``0 <= q_idx - kv_idx < w`` on its last two axes (of one size, longer than ``w``), whatever the
+    index along the others: transformers' sliding-window causal mask, ``kv_idx <= q_idx`` AND
+    ``kv_idx > q_idx - w`` (Mistral, Phi-3, Gemma-2's sliding layers). None for any other mask, a
+    causal one included (``is_causal_mask``)."""
+    band = _band(values, mask)
+    if band is None or band[0] != 0 or band[1] is None or mask.shape[-1] != mask.shape[-2]:
+        return None
+    return band[1] + 1 if 0 <= band[1] < mask.shape[-2] - 1 else None
+
+
+def _band(values: TensorValues, mask) -> tuple[int, int | None] | None:
+    """``(low, high)`` where ``mask`` is, by how it is made, an AND of bounds on the query's index
+    less the key's, ``d = q_idx - kv_idx``, true exactly where ``low <= d <= high`` (high None: no
+    bound above); None for a mask made otherwise (an OR, an operand not followed, an index of
+    another axis, no bound below)."""
+    if not isinstance(mask, TensorProxy) or not dtypes.is_boolean_dtype(mask.dtype) or mask.ndim < 2:
+        return None
+    forms = _conjuncts(_formula(values, mask))
+    if not forms:
+        return None
+    lows, highs = [], []
+    for form in forms:
+        coef = dict(form.coef)
+        k = coef.get(-2, 0)
+        if k == 0 or coef != {-2: k, -1: -k}:
+            return None
+        if k > 0:  # k * d + const >= 0: d >= ceil(-const / k)
+            lows.append(-(form.const // k))
+        else:  # d <= floor(const / -k)
+            highs.append(form.const // -k)
+    return (max(lows), min(highs, default=None)) if lows else None
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A boolean tensor of ``shape`` whose value is ``value``."""
+
+    value: AtLeastZero
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Both:
+    """The AND of two formulas."""
+
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class _Either:
+    """The OR of two formulas."""
+
+    parts: tuple
+
+
+# How a boolean mask is made on its last two axes: a leaf, a constant, an AND or OR of formulas,
+# or None (not known).
+_Formula = _Leaf | bool | _Both | _Either | None
+
+
+def _formula(values: TensorValues, x: TensorProxy) -> _Formula:
     value = values.of(x)
     if isinstance(value, AtLeastZero):
-        return _diagonal_low(value.form, x.shape) >= 0
+        return _Leaf(value, tuple(x.shape))
     if value is not None:
-        return _constant(value) == 1
+        return _truth(value)
     for b in values.producers(x):
         if b.output is not x:
             continue
         if b.sym.id in (P.BITWISE_AND, P.BITWISE_OR):
-            kept = [_operand_true_on_the_diagonal(values, a, x) for a in (b.args[0], b.args[1])]
-            return all(kept) if b.sym.id == P.BITWISE_AND else any(kept)
+            parts = tuple(_operand_formula(values, a, x) for a in (b.args[0], b.args[1]))
+            return _Both(parts) if b.sym.id == P.BITWISE_AND else _Either(parts)
         if b.sym.id in _KEEPING_THE_LAST_TWO_AXES and _keeps_the_last_two_axes(b, x):
-            return _true_on_the_diagonal(values, b.args[0])
-    return False
+            return _formula(values, b.args[0])
+    return None
 
 
-def _operand_true_on_the_diagonal(values: _Values, a, out: TensorProxy) -> bool:
-    """Whether ``a``, an operand of an elementwise op making ``out``, is true on ``out``'s diagonal:
-    of ``out``'s last two sizes (an operand broadcast along them proves nothing), or true everywhere."""
+def _truth(value) -> bool | None:
+    c = constant_of(value)
+    return None if c is None else bool(c)
+
+
+def _operand_formula(values: TensorValues, a, out: TensorProxy) -> _Formula:
+    """The formula of ``a``, an operand of an elementwise op making ``out``, on ``out``'s last two
+    axes: of ``out``'s last two sizes (an operand broadcast along them is known only if constant)."""
     if not isinstance(a, TensorProxy) or not dtypes.is_boolean_dtype(a.dtype):
-        return _constant(_number(a)) == 1
+        return _truth(number_of(a))
     if a.ndim >= 2 and tuple(a.shape[-2:]) == tuple(out.shape[-2:]):
-        return _true_on_the_diagonal(values, a)
-    return _constant(values.of(a)) == 1
+        return _formula(values, a)
+    return _truth(values.of(a))
+
+
+def _true_on_the_diagonal(formula: _Formula) -> bool:
+    if isinstance(formula, _Leaf):
+        return _diagonal_low(formula.value.form, formula.shape) >= 0
+    if isinstance(formula, (_Both, _Either)):
+        kept = [_true_on_the_diagonal(p) for p in formula.parts]
+        return all(kept) if isinstance(formula, _Both) else any(kept)
+    return formula is True
+
+
+def _conjuncts(formula: _Formula) -> list[Affine] | None:
+    """The forms whose ``>= 0`` AND-ed make ``formula``; None where it is not such an AND."""
+    if formula is True:
+        return []
+    if isinstance(formula, _Leaf):
+        return [formula.value.form]
+    if isinstance(formula, _Both):
+        parts = [_conjuncts(p) for p in formula.parts]
+        return None if None in parts else [f for p in parts for f in p]
+    return None
 
 
 # Ops whose output element (..., i, j) is their input's (..., i, j) where both have the same last
@@ -494,7 +207,9 @@ _SDPA = inspect.signature(ltorch.scaled_dot_product_attention.meta)
 
 def causal_attention(trace: TraceCtx) -> TraceCtx:
     """The trace with each ``scaled_dot_product_attention`` whose mask is proven causal called with
-    ``is_causal=True`` and no mask, and the ops left unused removed; the trace itself if none is."""
+    ``is_causal=True`` and no mask, each whose mask is proven a sliding window that flash serves
+    (``window_attention.window_supports``) made ``window_attention``, and the ops left unused
+    removed; the trace itself if none is."""
     attentions = []
     for b in trace.bound_symbols:
         if b.sym.id == ltorch.scaled_dot_product_attention.id:
@@ -504,17 +219,24 @@ def causal_attention(trace: TraceCtx) -> TraceCtx:
                 attentions.append((b, bound.arguments))
     if not attentions:
         return trace
-    values = _Values(trace)
+    values = TensorValues(trace)
     rewritten: dict[int, BoundSymbol] = {}
+    windows = 0
     new = from_trace(trace)
     for b, arguments in attentions:
-        if not is_causal_mask(values, arguments["attn_mask"]):
+        qkv = arguments["query"], arguments["key"], arguments["value"]
+        mask, scale = arguments["attn_mask"], arguments["scale"]
+        if is_causal_mask(values, mask):
+            call = lambda: ltorch.scaled_dot_product_attention(*qkv, None, arguments["dropout_p"], True, scale=scale)
+        elif arguments["dropout_p"] == 0.0 and window_supports(*qkv) and (window := sliding_window(values, mask)):
+            call = lambda: window_attention(*qkv, window, scale)
+            windows += 1
+        else:
             continue
         scope: list[BoundSymbol] = []
         new.push_scope(scope)
         with tracectx(new):
-            out = ltorch.scaled_dot_product_attention(arguments["query"], arguments["key"], arguments["value"],
-                                                      None, arguments["dropout_p"], True, scale=arguments["scale"])
+            out = call()
         new.pop_scope()
         (attention,) = scope
         rewritten[id(b)] = attention.from_bsym_swap_proxies({variableify(out): b.output})
@@ -523,7 +245,8 @@ def causal_attention(trace: TraceCtx) -> TraceCtx:
     new.bound_symbols = [rewritten.get(id(b), b) for b in trace.bound_symbols]
     new = dce(new)
     new.set_provenance(TraceProvenance(
-        f"thunder_memopt causal_mask: the masks of {len(rewritten)} of {len(attentions)} attentions proven causal"))
+        f"thunder_memopt causal_mask: the masks of {len(rewritten) - windows} of {len(attentions)} attentions "
+        f"proven causal" + (f", of {windows} sliding windows" if windows else "")))
     return new
 
 
@@ -548,13 +271,13 @@ def causal_outputs(trace: TraceCtx) -> dict[int, tuple[int, ...]]:
              if isinstance(out, TensorProxy) and dtypes.is_boolean_dtype(out.dtype) and out.ndim >= 2]
     if not masks:
         return {}
-    plain = _Values(trace)
+    plain = TensorValues(trace)
     found = {i: () for i in masks if is_causal_mask(plain, outputs[i])}
     inputs = tree_flatten((trace.args, trace.kwargs))[0]
     candidates = [j for j, x in enumerate(inputs) if _may_hold_positions(x)]
 
     def proven_given(premise: Sequence[int], mask: TensorProxy) -> bool:
-        return is_causal_mask(_Values(trace, {inputs[j].name: _normalized(_POSITIONS, inputs[j]) for j in premise}),
+        return is_causal_mask(TensorValues(trace, {inputs[j].name: normalized(_POSITIONS, inputs[j]) for j in premise}),
                               mask)
 
     for i in masks:

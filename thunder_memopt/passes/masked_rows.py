@@ -29,7 +29,8 @@ from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_memopt.passes.causal_mask import _Values, shows_each_query_its_own_key
+from thunder_memopt.passes.causal_mask import shows_each_query_its_own_key
+from thunder_memopt.passes.index_values import TensorValues
 
 __all__ = ["zero_fully_masked_rows"]
 
@@ -91,7 +92,7 @@ _RULES: dict[object, Callable[[_NoNegativeInfinity, dict, TensorProxy], bool]] =
 }
 
 
-def _may_hide_every_key(causal: _Values, finite: _NoNegativeInfinity, mask) -> bool:
+def _may_hide_every_key(causal: TensorValues, finite: _NoNegativeInfinity, mask) -> bool:
     """Whether some row of ``mask`` may hide every key from its query, by how the mask is made."""
     if dtypes.is_boolean_dtype(mask.dtype):
         return not shows_each_query_its_own_key(causal, mask)
@@ -120,7 +121,7 @@ def zero_fully_masked_rows(trace: TraceCtx) -> TraceCtx:
                 attentions.append((b, bound.arguments))
     if not attentions:
         return trace
-    causal, finite = _Values(trace), _NoNegativeInfinity(trace)
+    causal, finite = TensorValues(trace), _NoNegativeInfinity(trace)
     attentions = [(b, a) for b, a in attentions if _may_hide_every_key(causal, finite, a["attn_mask"])]
     if not attentions:
         return trace
