@@ -149,12 +149,15 @@ def _forward(hidden, weight, bias, targets, ignore_index, reduction, steps, chun
     return _loss(lse, picked, valid, reduction).to(out_dtype), lse
 
 
-def _loss(lse, picked, valid, reduction):
+def _loss(lse, picked, valid, reduction, count=None):
     """The loss from every token's log-sum-exp and target logit, summed once over all tokens: the
     same bits at any chunk size, so the head's modes agree, and a few kernels per step rather than
-    a few per chunk. With every target ignored the mean is 0 / 0 (NaN), as cross_entropy's."""
+    a few per chunk. ``count``: the valid targets, where the caller has counted them already. With
+    every target ignored the mean is 0 / 0 (NaN), as cross_entropy's."""
     total = torch.where(valid, lse - picked, 0.0).sum()
-    return total / valid.sum() if reduction == "mean" else total
+    if reduction != "mean":
+        return total
+    return total / (valid.sum() if count is None else count)
 
 
 def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reduction, steps, chunk, out_dtype):
@@ -181,8 +184,8 @@ def _forward_with_gradients(hidden, weight, bias, targets, ignore_index, reducti
         lse[rows], picked[rows] = _run(_loss_terms_and_logits_grad_, logits, target[rows], valid[rows],
                                        row_scale[rows], steps=steps)
     grad_bias = None if bias is None else logits_grad.sum(0, dtype=torch.float32).to(bias.dtype)
-    return (_loss(lse, picked, valid, reduction).to(out_dtype), logits_grad @ weight, logits_grad.t() @ hidden,
-            grad_bias)
+    return (_loss(lse, picked, valid, reduction, count).to(out_dtype), logits_grad @ weight,
+            logits_grad.t() @ hidden, grad_bias)
 
 
 def _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk,
