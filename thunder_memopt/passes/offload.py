@@ -270,22 +270,27 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
     candidates, activation_bytes = _candidates(forward, pair, MIN_BYTES if min_bytes is None else min_bytes)
     largest_first = sorted(candidates, key=lambda c: -c.nbytes)
     chosen: list[_Candidate] = []
+    pinned = 0  # the chosen copies' host bytes, each as the pinned allocator rounds it (as the executor counts)
 
-    def host_holds(c: _Candidate) -> bool:  # each copy as the pinned allocator rounds it, as the executor counts it
-        return host_bytes is None or sum(pinned_block_bytes(x.nbytes) for x in [*chosen, c]) <= host_bytes
+    def chose_where_host_holds(c: _Candidate) -> bool:
+        nonlocal pinned
+        if host_bytes is not None and pinned + pinned_block_bytes(c.nbytes) > host_bytes:
+            return False
+        chosen.append(c)
+        pinned += pinned_block_bytes(c.nbytes)
+        return True
 
     if mode is not OffloadMode.OFF:
         for c in largest_first:
             hidden, delay = _exposed([*chosen, c], pair, rates, chained=chained)
-            if hidden and delay == 0.0 and host_holds(c):
-                chosen.append(c)
+            if hidden and delay == 0.0:
+                chose_where_host_holds(c)
     if mode is OffloadMode.BUDGET:
         kept = activation_bytes - sum(c.nbytes for c in chosen)
         for c in largest_first:
             if kept <= budget * activation_bytes:
                 break
-            if c not in chosen and host_holds(c):
-                chosen.append(c)
+            if c not in chosen and chose_where_host_holds(c):
                 kept -= c.nbytes
     chosen.sort(key=lambda c: c.produced)
     hidden, delay = _exposed(chosen, pair, rates, chained=chained)
@@ -298,7 +303,7 @@ def plan_offload(forward: TraceCtx, backward: TraceCtx, *, mode: OffloadMode, bu
         spilled=tuple(c.name for c in chosen if c.name in spilled),
         offloaded_bytes=offloaded,
         kept_bytes=activation_bytes - offloaded,
-        pinned_bytes=sum(pinned_block_bytes(c.nbytes) for c in chosen),
+        pinned_bytes=pinned,
         to_host_hidden=hidden,
         exposed_seconds=delay,
         rates=rates,
