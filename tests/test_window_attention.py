@@ -2,8 +2,8 @@
 place of SDPA with a mask (``causal_mask.sliding_window``).
 
 On CPU: which masks the ops that make them prove a window of ``w`` keys (``0 <= q_idx - kv_idx < w``
-exactly), transformers' own included, and that there, where flash does not run, the attention keeps
-its mask. On a GPU (skipped without one): the window kernel against eager SDPA with the mask, in
+exactly), transformers' own included, also across a graph break (thunder_memopt.causal_inputs), and
+that there, where flash does not run, the attention keeps its mask. On a GPU (skipped without one): the window kernel against eager SDPA with the mask, in
 fp32, where the bf16 kernel is within bf16 rounding (measured on an H100, 2026-12-06: see the
 assertions' comments); the same bounds for a narrow Qwen2 with a sliding layer under
 ``thunderfx_backend()``.
@@ -16,9 +16,11 @@ import thunder
 import torch
 import torch.nn.functional as F
 from thunder.core.pytree import tree_flatten
+from thunder.dynamo import ThunderCompiler
 
 from _hf import build, tokens
 from thunder_memopt import thunderfx_backend
+from thunder_memopt.causal_inputs import marked_band
 from thunder_memopt.passes.causal_mask import is_causal_mask, sliding_window
 from thunder_memopt.passes.index_values import TensorValues
 
@@ -42,6 +44,9 @@ MASKS = {
                              False),
     "window_1_the_diagonal": (lambda x: _window(1), 1, False),
     "window_4_broadcast": (lambda x: torch.ones(1, 1, T, T, dtype=torch.bool) & _window(4), 4, False),
+    # As thunder_memopt.causal_inputs makes a marked window in the graph that reads it.
+    "tril_and_triu": (lambda x: torch.ones(T, T, dtype=torch.bool).tril() & torch.ones(T, T, dtype=torch.bool).triu(-3),
+                      4, False),
     # Every query's keys fit in it: causal.
     "window_of_every_key": (lambda x: _window(T), None, True),
     "causal": (lambda x: _indices()[0] <= _indices()[1], None, True),
@@ -92,6 +97,39 @@ def test_transformers_sliding_window_mask_is_proven_and_on_cpu_keeps_its_mask():
                 found.append(sliding_window(values, b.args[3]))
         assert not any(b.sym.name.startswith("memopt_window_attention") for b in last.bound_symbols)
     assert found == [4, None]
+
+
+def _window_of(x: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(x.shape[-2])
+    return (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - 4)
+
+
+def _attention(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_window_made_in_one_graph_is_proven_in_the_graph_that_reads_it():
+    """Across a graph break (as FSDP2's units make them), the mask's graph marks it a window of 4
+    keys (thunder_memopt.causal_inputs) and the attention's graph reads it remade in the graph,
+    where the causal_mask pass proves it; on CPU the attention keeps it, bit for bit as plain
+    ThunderCompiler's."""
+    torch._dynamo.reset()
+    memopt = thunderfx_backend(fusion=False, cudnn_attention=True)
+    mask = torch.compile(_window_of, backend=memopt)(torch.zeros(T, 8))
+    assert marked_band(mask) == 4 and torch.equal(mask, _window(4))
+    results = []
+    for backend in (memopt, ThunderCompiler()):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 2, T, 8, generator=g, requires_grad=True) for _ in range(3))
+        out = torch.compile(_attention, backend=backend)(q, k, v, mask)
+        out.sum().backward()
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    (attention,) = [fn for fn in _regions(memopt) if "scaled_dot_product_attention" in str(thunder.last_traces(fn)[0])]
+    first = thunder.last_traces(attention)[0]
+    (sdpa,) = [b for b in first.bound_symbols if b.sym.name == "scaled_dot_product_attention"]
+    assert sliding_window(TensorValues(first), sdpa.args[3]) == 4
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="flash's window kernels run on CUDA")

@@ -1,5 +1,5 @@
 """Causal masks across dynamo graphs: a mask that one graph makes causal, another graph's attention
-reads with ``is_causal=True``.
+reads with ``is_causal=True`` (a sliding window: on the window kernels).
 
 Under FSDP2 (``fully_shard`` on each decoder layer) dynamo breaks the graph at every unit, so
 transformers' causal mask is made in one graph (``create_causal_mask``) and reaches each decoder
@@ -7,19 +7,21 @@ layer's graph as an input, where the ``causal_mask`` pass sees nothing of how it
 proof travels with the tensor:
 
 - In the graph that makes a mask, each Thunder region whose outputs the ops that make them prove
-  causal (``causal_mask.causal_outputs``) marks those output tensors at run time. transformers
+  causal or sliding windows (``causal_mask.causal_outputs``) marks those output tensors at run
+  time, with their band (0: causal; ``w``: a window of ``w`` keys). transformers
   combines the packed-sequence mask of the position ids, which the layers' units get from eager
   code: such a mask is causal if the position ids count ``0, 1, ...``, and is marked only where they
   do (a comparison of the position ids, not of the mask, and a host sync, once per step).
-- A mark is the tensor's entry in a ``WeakIdKeyDictionary``, with its version counter and shape:
+- A mark is the tensor's entry in a ``WeakIdKeyDictionary``, with its version counter, shape and band:
   keyed by the object's identity, not its values (a tensor's ``==`` is elementwise); it adds
   nothing to the tensor that dynamo guards on or FSDP2 copies; it goes with the tensor; and an
   in-place write (which bumps the version) or a resize voids it.
 - A graph with boolean inputs that reach an attention's ``attn_mask`` runs one variant per pattern
   of marked masks among them, each compiled at its first use: where an input is marked, the
-  variant reads, in its place, ``tril(ones_like(input))``, the same values made in the graph, so
-  that the ``causal_mask`` pass proves them causal and the attention gets ``is_causal=True`` and
-  no mask. Every call picks its variant by the marks (one dictionary look-up per mask input); an
+  variant reads, in its place, ``tril(ones_like(input))`` (a window: AND-ed with
+  ``triu(ones_like(input), 1 - w)``), the same values made in the graph, so that the
+  ``causal_mask`` pass proves them and the attention gets ``is_causal=True`` and no mask (or the
+  window kernel). Every call picks its variant by the marks (one dictionary look-up per mask input); an
   unmarked mask, a real padding mask among them, runs the variant that reads it, with its numerics.
 
 In torch 2.11 dynamo hands the backend the frame's real tensors as example inputs (a marked mask is
@@ -43,25 +45,32 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from thunder_memopt.passes.causal_mask import causal_outputs
 
-__all__ = ["call_with_example_value", "compile_with_causal_inputs", "is_marked_causal", "mask_inputs"]
+__all__ = ["call_with_example_value", "compile_with_causal_inputs", "is_marked_causal", "marked_band", "mask_inputs"]
 
-# A tensor proven a causal mask -> (its version counter, its shape) when it was proven.
+# A tensor proven a causal mask or a sliding window -> (its version counter, its shape, its band:
+# 0 causal, w a window of w keys) when it was proven.
 _MARKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
-def _mark_causal(t: torch.Tensor) -> None:
+def _mark(t: torch.Tensor, band: int) -> None:
     if not t.is_inference():  # inference tensors have no version counter
-        _MARKED[t] = (t._version, t.shape)
+        _MARKED[t] = (t._version, t.shape, band)
+
+
+def marked_band(t: object) -> int | None:
+    """The band of ``t`` where it is a tensor that a compiled graph made and proved a causal mask (0)
+    or a sliding window of ``w`` keys (``w``), unchanged since; None otherwise."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    mark = _MARKED.get(t)
+    return mark[2] if mark is not None and mark[:2] == (t._version, t.shape) else None
 
 
 def is_marked_causal(t: object) -> bool:
     """Whether ``t`` is a tensor that a compiled graph made and proved a causal mask, unchanged since."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    mark = _MARKED.get(t)
-    return mark is not None and mark == (t._version, t.shape)
+    return marked_band(t) == 0
 
 
 def _holds_positions(t: torch.Tensor) -> bool:
@@ -71,17 +80,17 @@ def _holds_positions(t: torch.Tensor) -> bool:
 
 
 class _MarkingRegion(torch.nn.Module):
-    """A Thunder region that marks those of its outputs proven causal masks, on each call."""
+    """A Thunder region that marks those of its outputs proven causal masks or windows, on each call."""
 
     def __init__(self, region: torch.nn.Module) -> None:
         super().__init__()
         self.region = region
         # By the id of a cache entry's traces (held, so that the id stays theirs): the outputs proven
-        # causal masks, with their premises (causal_mask.causal_outputs), and the counts of the
-        # trace's flattened outputs and inputs.
-        self._found: dict[int, tuple[list, dict[int, tuple[int, ...]], int, int]] = {}
+        # causal masks or windows, with their premises and bands (causal_mask.causal_outputs), and
+        # the counts of the trace's flattened outputs and inputs.
+        self._found: dict[int, tuple[list, dict[int, tuple[tuple[int, ...], int]], int, int]] = {}
 
-    def _causal_outputs(self) -> tuple[dict[int, tuple[int, ...]], int, int]:
+    def _causal_outputs(self) -> tuple[dict[int, tuple[tuple[int, ...], int]], int, int]:
         traces = thunder.last_traces(self.region)  # of the cache entry that ran
         entry = self._found.get(id(traces))
         if entry is None:
@@ -97,14 +106,14 @@ class _MarkingRegion(torch.nn.Module):
             # Flattened as Thunder flattens the trace's, so that positions match.
             outputs, inputs = tree_flatten((out,))[0], tree_flatten((args, {}))[0]
             holds: dict[int, bool] = {}
-            for i, premise in causal.items():
+            for i, (premise, band) in causal.items():
                 if len(outputs) != n_outputs or (premise and len(inputs) != n_inputs):
                     continue
                 for j in premise:
                     if j not in holds:
                         holds[j] = _holds_positions(inputs[j])
                 if all(holds[j] for j in premise):
-                    _mark_causal(outputs[i])
+                    _mark(outputs[i], band)
         return out
 
 
@@ -162,18 +171,22 @@ def call_with_example_value(graph: torch.fx.Graph, target, args: tuple, kwargs: 
     return node
 
 
-def _with_masks_made_causal(gm: torch.fx.GraphModule, positions: Sequence[int]) -> torch.fx.GraphModule:
-    """A copy of ``gm`` in which the inputs at ``positions`` are read as ``tril(ones_like(input))``:
-    their values where they are marked, made in the graph, where the causal_mask pass proves them."""
+def _with_masks_made_causal(gm: torch.fx.GraphModule, bands: dict[int, int]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` in which the input at each position of ``bands`` is read as
+    ``tril(ones_like(input))``, AND-ed with ``triu(ones_like(input), 1 - w)`` for a window of ``w``
+    keys: its values where it is marked, made in the graph, where the causal_mask pass proves them."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     placeholders = list(graph.find_nodes(op="placeholder"))
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
-    for i in positions:
+    for i, band in bands.items():
         mask = placeholders[i]
         with graph.inserting_before(first_op):
             ones = call_with_example_value(graph, torch.ones_like, (mask,))
             causal = call_with_example_value(graph, torch.tril, (ones,))
+            if band:
+                window = call_with_example_value(graph, torch.triu, (ones, 1 - band))
+                causal = call_with_example_value(graph, torch.bitwise_and, (causal, window))
         mask.replace_all_uses_with(causal, delete_user_cb=lambda user: user is not ones)
     variant = torch.fx.GraphModule(gm, graph)
     variant.meta.update(gm.meta)
@@ -181,29 +194,30 @@ def _with_masks_made_causal(gm: torch.fx.GraphModule, positions: Sequence[int]) 
 
 
 class _CausalInputs:
-    """A dynamo graph's compiled callable: per call, the variant for which of its mask inputs are marked."""
+    """A dynamo graph's compiled callable: per call, the variant for the marks of its mask inputs
+    (each's band, None where unmarked)."""
 
     def __init__(self, gm: torch.fx.GraphModule, compile_graph: Callable, positions: Sequence[int]) -> None:
         self._gm, self._compile_graph, self._positions = gm, compile_graph, tuple(positions)
         self._compile_id = CompileContext.current_compile_id()
-        self._variants: dict[tuple[bool, ...], Callable] = {}
+        self._variants: dict[tuple[int | None, ...], Callable] = {}
 
-    def compile(self, marked: tuple[bool, ...], example_inputs: Sequence) -> Callable:
+    def compile(self, marked: tuple[int | None, ...], example_inputs: Sequence) -> Callable:
         gm = self._gm
-        if any(marked):
+        if any(m is not None for m in marked):
             try:
-                gm = _with_masks_made_causal(self._gm, [i for i, m in zip(self._positions, marked) if m])
+                gm = _with_masks_made_causal(self._gm, {i: m for i, m in zip(self._positions, marked) if m is not None})
             except Exception as e:  # the graph as dynamo gave it: every mask read as it is
                 warnings.warn(f"thunder_memopt: causal_mask left the mask inputs as they were "
                               f"({type(e).__name__}: {e})")
-                marked = (False,) * len(marked)
+                marked = (None,) * len(marked)
                 gm = self._gm
         if marked not in self._variants:
             self._variants[marked] = self._compile_graph(gm, list(example_inputs))
         return self._variants[marked]
 
     def __call__(self, *args):
-        marked = tuple(is_marked_causal(args[i]) for i in self._positions)
+        marked = tuple(marked_band(args[i]) for i in self._positions)
         compiled = self._variants.get(marked)
         if compiled is None:
             # As part of dynamo's compile of this graph, as at its first call (Thunder leaves the
@@ -228,5 +242,5 @@ def compile_with_causal_inputs(gm: torch.fx.GraphModule, example_inputs: Sequenc
         return compile_graph(gm, list(example_inputs))
     callable_ = _CausalInputs(gm, compile_graph, positions)
     if not any(isinstance(example_inputs[i], torch._subclasses.FakeTensor) for i in positions):
-        callable_.compile(tuple(is_marked_causal(example_inputs[i]) for i in positions), example_inputs)
+        callable_.compile(tuple(marked_band(example_inputs[i]) for i in positions), example_inputs)
     return callable_

@@ -40,7 +40,8 @@ from thunder_memopt.executors.window_attention import window_attention, window_s
 from thunder_memopt.passes.index_values import (P, Affine, AtLeastZero, TensorValues, constant_of, normalized,
                                                   number_of)
 
-__all__ = ["is_causal_mask", "shows_each_query_its_own_key", "sliding_window", "causal_attention", "causal_outputs"]
+__all__ = ["is_causal_mask", "shows_each_query_its_own_key", "sliding_window", "causal_band", "causal_attention",
+           "causal_outputs"]
 
 
 def is_causal_mask(values: TensorValues, mask) -> bool:
@@ -259,33 +260,40 @@ def _may_hold_positions(x) -> bool:
             and x.ndim >= 1 and all(isinstance(s, int) for s in x.shape))
 
 
-def causal_outputs(trace: TraceCtx) -> dict[int, tuple[int, ...]]:
-    """The trace's outputs (by position among its flattened outputs) that are causal masks by how
-    they are made, each with the positions among its flattened arguments of the integer inputs that
-    it is causal only if they hold the positions ``0, 1, ...`` along their last axis (empty: causal
-    whatever the inputs). transformers combines its causal mask with the packed-sequence mask of the
-    position ids, which is all true exactly where they count up by one; where the position ids are
-    an input (made outside the graph), the mask is causal if they hold those positions."""
+def causal_band(values: TensorValues, mask) -> int | None:
+    """How far back each query sees, by how ``mask`` is made: 0 for a causal mask (every earlier
+    key), ``w`` for a sliding window of ``w`` keys (``sliding_window``); None for any other mask."""
+    return 0 if is_causal_mask(values, mask) else sliding_window(values, mask)
+
+
+def causal_outputs(trace: TraceCtx) -> dict[int, tuple[tuple[int, ...], int]]:
+    """The trace's outputs (by position among its flattened outputs) that are causal masks or
+    sliding windows by how they are made, each with the positions among its flattened arguments of
+    the integer inputs that it is so only if they hold the positions ``0, 1, ...`` along their last
+    axis (empty: whatever the inputs), and its ``causal_band``. transformers combines its causal
+    mask with the packed-sequence mask of the position ids, which is all true exactly where they
+    count up by one; where the position ids are an input (made outside the graph), the mask is
+    causal if they hold those positions."""
     outputs = tree_flatten((trace.output,))[0]
     masks = [i for i, out in enumerate(outputs)
              if isinstance(out, TensorProxy) and dtypes.is_boolean_dtype(out.dtype) and out.ndim >= 2]
     if not masks:
         return {}
     plain = TensorValues(trace)
-    found = {i: () for i in masks if is_causal_mask(plain, outputs[i])}
+    found = {i: ((), band) for i in masks if (band := causal_band(plain, outputs[i])) is not None}
     inputs = tree_flatten((trace.args, trace.kwargs))[0]
     candidates = [j for j, x in enumerate(inputs) if _may_hold_positions(x)]
 
-    def proven_given(premise: Sequence[int], mask: TensorProxy) -> bool:
-        return is_causal_mask(TensorValues(trace, {inputs[j].name: normalized(_POSITIONS, inputs[j]) for j in premise}),
-                              mask)
+    def band_given(premise: Sequence[int], mask: TensorProxy) -> int | None:
+        return causal_band(TensorValues(trace, {inputs[j].name: normalized(_POSITIONS, inputs[j]) for j in premise}),
+                           mask)
 
     for i in masks:
-        if i in found or not candidates or not proven_given(candidates, outputs[i]):
+        if i in found or not candidates or (band := band_given(candidates, outputs[i])) is None:
             continue
         premise = list(candidates)
         for j in candidates:  # only the inputs the proof needs, so that no other input's values matter
-            if proven_given([k for k in premise if k != j], outputs[i]):
+            if band_given([k for k in premise if k != j], outputs[i]) == band:
                 premise.remove(j)
-        found[i] = tuple(premise)
+        found[i] = (tuple(premise), band)
     return found
