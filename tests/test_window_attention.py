@@ -3,7 +3,8 @@ place of SDPA with a mask (``causal_mask.sliding_window``).
 
 On CPU: which masks the ops that make them prove a window of ``w`` keys (``0 <= q_idx - kv_idx < w``
 exactly), transformers' own included, also across a graph break (thunder_memopt.causal_inputs), and
-that there, where flash does not run, the attention keeps its mask. On a GPU (skipped without one): the window kernel against eager SDPA with the mask, in
+that there, where flash does not run, the attention keeps its mask; and the window ops through
+Thunder with flash's two kernels replaced by the formulas they compute. On a GPU (skipped without one): the window kernel against eager SDPA with the mask, in
 fp32, where the bf16 kernel is within bf16 rounding (measured on an H100, 2026-12-06: see the
 assertions' comments); the same bounds for a narrow Qwen2 with a sliding layer under
 ``thunderfx_backend()``.
@@ -21,6 +22,7 @@ from thunder.dynamo import ThunderCompiler
 from _hf import build, tokens
 from thunder_memopt import thunderfx_backend
 from thunder_memopt.causal_inputs import marked_band
+from thunder_memopt.executors import window_attention
 from thunder_memopt.passes.causal_mask import is_causal_mask, sliding_window
 from thunder_memopt.passes.index_values import TensorValues
 
@@ -179,3 +181,47 @@ def test_qwen2_with_a_sliding_layer_trains_on_the_window_kernel_within_bf16_roun
     torch.testing.assert_close(loss.float(), expected, rtol=2e-2, atol=0)
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.float(), r.grad, rtol=0, atol=3e-2 * r.grad.abs().max().item(), msg=name)
+
+
+def _reference_forward(query, key, value, window, scale):
+    """Flash's forward as a formula, on (B, T, H, D) tensors: the output and the log-sum-exp."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    kv, qi = torch.arange(q.shape[-2])[None, :], torch.arange(q.shape[-2])[:, None]
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = scores.masked_fill(~((kv <= qi) & (kv > qi - window)), -torch.inf)
+    lse = scores.logsumexp(-1)
+    return ((scores - lse[..., None]).exp() @ v).transpose(1, 2), lse
+
+
+def _reference_backward(grad, query, key, value, out, lse, window, scale):
+    inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+    with torch.enable_grad():
+        remade, _ = _reference_forward(*inputs, window, scale)
+    return torch.autograd.grad(remade, inputs, grad)
+
+
+def test_the_window_ops_train_a_model_as_eager_with_their_kernels_written_as_formulas(monkeypatch):
+    """The window ops through Thunder on CPU, where flash does not run: its two kernels replaced by
+    the formulas they compute (the pass, the ops' gradient rule, the other passes and the executors
+    around them are thunder_memopt's). Qwen2 with a sliding layer, fp32: loss within 1e-5 relative
+    of eager's, each gradient within 1e-5 of its largest element, as in tests/test_padding.py."""
+    monkeypatch.setattr(window_attention, "SERVED_DEVICES", {"cpu"})
+    monkeypatch.setattr(window_attention, "_DTYPES", (thunder.dtypes.float32,))
+    monkeypatch.setattr(window_attention, "_flash_forward", _reference_forward)
+    monkeypatch.setattr(window_attention, "_flash_backward", _reference_backward)
+    torch._dynamo.reset()
+    model = build("qwen2", **LAYERS)
+    x = tokens(model, 2, T)
+    results = []
+    for backend in (None, thunderfx_backend()):
+        model.zero_grad(set_to_none=True)
+        loss = (model if backend is None else torch.compile(model, backend=backend))(input_ids=x, labels=x).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (expected, expected_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    for n, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[n], grad, rtol=0, atol=1e-5 * grad.abs().max().item(), msg=n)
+    names = [b.sym.name for fn in _regions(backend) for trace in (thunder.last_traces(fn)[-1],
+             thunder.last_backward_traces(fn)[-1]) for b in trace.bound_symbols]
+    assert names.count("memopt_window_attention_forward") == 1 and names.count("memopt_window_attention_backward") == 1

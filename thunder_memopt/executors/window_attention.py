@@ -51,6 +51,26 @@ def _tokens_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _flash_forward(query, key, value, window: int, scale: float | None):
+    """Flash's forward on (B, T, H, D) tensors: the output, (B, T, H, D), and the log-sum-exp, (B, H, T)."""
+    s = query.shape[1]
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        query, key, value, None, None, s, s, 0.0, True, False,
+        scale=scale, window_size_left=window - 1, window_size_right=0)
+    return out, lse
+
+
+def _flash_backward(grad, query, key, value, out, lse, window: int, scale: float | None):
+    """Flash's backward on (B, T, H, D) tensors: the gradients of the query, key and value."""
+    s = query.shape[1]
+    # With no dropout the kernel reads no random state; these stand in for the forward's.
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)
+    unused = torch.empty(0, device=query.device)
+    return torch.ops.aten._flash_attention_backward(
+        grad, query, key, value, out, lse, None, None, s, s, 0.0, True, rng_state, unused,
+        scale=scale, window_size_left=window - 1, window_size_right=0)
+
+
 def _window_attention_meta(query, key, value, window: int, scale: float | None):
     return TensorProxy(like=query)
 
@@ -62,10 +82,7 @@ def _forward_meta(query, key, value, window: int, scale: float | None):
 
 
 def _forward_impl(query, key, value, window, scale):
-    s = query.shape[-2]
-    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-        _tokens_major(query), _tokens_major(key), _tokens_major(value), None, None, s, s, 0.0, True, False,
-        scale=scale, window_size_left=window - 1, window_size_right=0)
+    out, lse = _flash_forward(_tokens_major(query), _tokens_major(key), _tokens_major(value), window, scale)
     return out.transpose(1, 2), lse
 
 
@@ -74,14 +91,7 @@ def _backward_meta(grad, query, key, value, out, lse, window: int, scale: float 
 
 
 def _backward_impl(grad, query, key, value, out, lse, window, scale):
-    s = query.shape[-2]
-    # With no dropout the kernel reads no random state; these stand in for the forward's.
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)
-    unused = torch.empty(0, device=query.device)
-    grads = torch.ops.aten._flash_attention_backward(
-        _tokens_major(grad), _tokens_major(query), _tokens_major(key), _tokens_major(value), _tokens_major(out),
-        lse, None, None, s, s, 0.0, True, rng_state, unused,
-        scale=scale, window_size_left=window - 1, window_size_right=0)
+    grads = _flash_backward(*map(_tokens_major, (grad, query, key, value, out)), lse, window, scale)
     return tuple(g.transpose(1, 2) for g in grads)
 
 
