@@ -8,9 +8,10 @@ calls ``window_attention`` instead, which torch 2.11's flash kernels run with
 query reads its own key and the ``w - 1`` before it, and blocks outside the band are skipped. The
 ops are registered on ``cudnn_attention_ex`` (one executor for attention, one switch for users).
 
-``window_supports`` says what flash serves: CUDA, fp16 or bf16, 4-d, equal batch and heads (no
-grouped keys), one sequence length, head size a multiple of 8 and at most 256, no dropout, and
-not under ``torch.use_deterministic_algorithms(True)`` (flash's backward adds in any order).
+``window_supports`` says what flash serves: an sm80 or later GPU with torch's flash kernels on,
+fp16 or bf16, 4-d, equal batch and heads (no grouped keys), one sequence length, head size a
+multiple of 8 and at most 256, no dropout, and not under ``torch.use_deterministic_algorithms(True)``
+(flash's backward adds in any order).
 """
 
 from __future__ import annotations
@@ -42,7 +43,16 @@ def window_supports(query, key, value) -> bool:
     if query.dtype not in _DTYPES or len({tuple(t.shape) for t in tensors}) != 1:
         return False
     d = query.shape[-1]
-    return d % 8 == 0 and d <= _MAX_HEAD_SIZE and not torch.are_deterministic_algorithms_enabled()
+    if d % 8 or d > _MAX_HEAD_SIZE or torch.are_deterministic_algorithms_enabled():
+        return False
+    return query.device.type != "cuda" or _flash_runs_on(query.device.index)
+
+
+def _flash_runs_on(device_index: int | None) -> bool:
+    """Whether torch's flash kernels run there: built in, not switched off (``sdpa_kernel``,
+    ``enable_flash_sdp(False)``), and an sm80 or later GPU."""
+    return (torch.backends.cuda.is_flash_attention_available() and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(device_index or 0) >= (8, 0))
 
 
 def _tokens_major(t: torch.Tensor) -> torch.Tensor:
