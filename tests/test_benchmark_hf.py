@@ -69,7 +69,7 @@ def test_fsdp2_rows_agree_and_the_mask_reaches_each_decoder_layer_as_an_input(tm
     assert "#### transformers Llama-3-8B, 1 layers, n_embd 64" in printed
     thunderfx = memopt["thunderfx"]
     assert thunderfx["graphs"] > 2 and not thunderfx["split_reasons"]
-    assert thunderfx["attentions"] == {"is_causal": 1, "mask": 0, "neither": 0}
+    assert thunderfx["attentions"] == {"is_causal": 1, "window": 0, "mask": 0, "neither": 0}
     assert FUSED_HEAD in thunderfx["symbols"]
 
 
@@ -86,7 +86,7 @@ def test_whole_model_rows_prove_the_mask_causal_and_fuse_the_head(tmp_path):
     assert rows[0]["loss"] == pytest.approx(reference["loss"], rel=BF16_LOSS_RTOL)
     thunderfx = rows[0]["thunderfx"]
     assert (thunderfx["graphs"], thunderfx["regions"], thunderfx["split_reasons"]) == (1, 1, [])
-    assert thunderfx["attentions"] == {"is_causal": 1, "mask": 0, "neither": 0}
+    assert thunderfx["attentions"] == {"is_causal": 1, "window": 0, "mask": 0, "neither": 0}
     assert FUSED_HEAD in thunderfx["symbols"]
     assert rows[0]["executors"][:2] == ["memopt_linear_cross_entropy", "memopt_cudnn_attention"]
 

@@ -149,8 +149,8 @@ def test_fsdp2_llama_layers_attend_with_is_causal_and_keep_every_bit(process_gro
     assert all(torch.equal(a, b) for a, b in zip(memopt["losses"], plain["losses"]))
     assert all(torch.equal(memopt["parameters"][n], p) for n, p in plain["parameters"].items())
     # The layers' graph (one region, which both layers run): attention is_causal, without the mask.
-    assert plain["summary"]["attentions"] == {"is_causal": 0, "mask": 1, "neither": 0}
-    assert memopt["summary"]["attentions"] == {"is_causal": 1, "mask": 0, "neither": 0}
+    assert plain["summary"]["attentions"] == {"is_causal": 0, "window": 0, "mask": 1, "neither": 0}
+    assert memopt["summary"]["attentions"] == {"is_causal": 1, "window": 0, "mask": 0, "neither": 0}
     assert memopt["summary"]["graphs"] == plain["summary"]["graphs"]
     assert memopt["calls"]["steps"] == {"is_causal": 2 * STEPS}
     assert memopt["calls"]["causal"] == {"is_causal": 2 * STEPS + 2}

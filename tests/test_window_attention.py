@@ -21,6 +21,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.dynamo import ThunderCompiler
 
 from _hf import build, tokens
+from benchmarks.fsdp2.worker import attention_kinds
 from thunder_memopt import thunderfx_backend
 from thunder_memopt.causal_inputs import marked_band
 from thunder_memopt.executors import window_attention
@@ -226,3 +227,6 @@ def test_the_window_ops_train_a_model_as_eager_with_their_kernels_written_as_for
     names = [b.sym.name for fn in _regions(backend) for trace in (thunder.last_traces(fn)[-1],
              thunder.last_backward_traces(fn)[-1]) for b in trace.bound_symbols]
     assert names.count("memopt_window_attention_forward") == 1 and names.count("memopt_window_attention_backward") == 1
+    # As a benchmark row reports them: the sliding layer's on the window kernel, the full one's causal.
+    assert sorted(kind for fn in _regions(backend) for kind in attention_kinds(thunder.last_traces(fn))) == [
+        "is_causal", "window"]

@@ -514,14 +514,21 @@ def offload_fields(plans: list[OffloadPlan]) -> dict[str, Any]:
 
 def attention_kinds(traces: list) -> list[str]:
     """Each attention of a Thunder region's forward traces as thunder_memopt's passes left it:
-    ``is_causal``, ``mask`` or ``neither``, from the last trace that still calls torch's SDPA (after
-    the passes, before the executors claim it)."""
+    ``is_causal``, ``mask`` or ``neither``, or ``window`` (a mask proven a sliding window, run on
+    flash's window kernel), from the last trace that still calls torch's SDPA or the window op
+    (after the passes, before the executors claim them)."""
     import thunder.torch as ltorch
 
+    from thunder_memopt.executors.window_attention import window_attention
+
     sdpa = inspect.signature(ltorch.scaled_dot_product_attention.meta)
-    with_sdpa = [[b for b in t.bound_symbols if b.sym.id == ltorch.scaled_dot_product_attention.id] for t in traces]
+    with_attention = [[b for b in t.bound_symbols
+                       if b.sym.id in (ltorch.scaled_dot_product_attention.id, window_attention.id)] for t in traces]
     kinds = []
-    for b in next((calls for calls in reversed(with_sdpa) if calls), []):
+    for b in next((calls for calls in reversed(with_attention) if calls), []):
+        if b.sym.id == window_attention.id:
+            kinds.append("window")
+            continue
         bound = sdpa.bind(*b.args, **b.kwargs)
         bound.apply_defaults()
         masked, causal = bound.arguments["attn_mask"] is not None, bound.arguments["is_causal"]
@@ -534,13 +541,14 @@ def thunderfx_summary(compiler) -> dict[str, Any]:
     graphs were split; over the regions (one serves every decoder layer or Block under fsdp2), the
     attentions as thunder_memopt's passes left them (``attention_kinds``): with ``is_causal`` (a mask
     proven causal where it is made, in the region or in the graph that made the region's mask
-    input, thunder_memopt.causal_inputs), with a mask, or neither; a graph whose mask inputs come
+    input, thunder_memopt.causal_inputs), on the window kernel (a mask proven a sliding window),
+    with a mask, or neither; a graph whose mask inputs come
     marked and unmarked has a region for each; and the thunder_memopt symbols and attention kernels
     of the last forward traces: ``memopt_cudnn_sdpa_*`` where cuDNN took attention (never on CPU),
     ``memopt_linear_cross_entropy_*`` where the loss head fused."""
     import thunder
 
-    attentions = {"is_causal": 0, "mask": 0, "neither": 0}
+    attentions = {"is_causal": 0, "window": 0, "mask": 0, "neither": 0}
     symbols: set[str] = set()
     regions = [fn for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
     for fn in regions:
