@@ -33,6 +33,12 @@ the causal mask and the attention that reads it. The backend rewrites them into 
 attention's Thunder region, where the ``causal_mask`` pass can see how it was made. Where the mask
 is made in one dynamo graph and read in another (FSDP2 breaks the graph at each unit), the proof
 crosses with the tensor (thunder_memopt.causal_inputs).
+
+DeepSeek's multi-head latent attention (and the models made from it: MiniCPM3, GLM-4-MoE-Lite,
+LongCat-Flash, Youtu, ...) fills an empty tensor by ``copy_`` into slices of its last axis; Thunder
+0.2.6 fails on that in-place form where the region's inputs view one storage at different sizes
+(its ``insert_alias_updates`` reshapes one into the other), as that attention's split of keys and
+values does. The backend writes it as the ``torch.cat`` of the sources (``fill_of_slices_as_cat``).
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = [
-    "THUNDER_OPTIONS", "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "thunderfx_backend",
+    "THUNDER_OPTIONS", "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "fill_of_slices_as_cat",
+    "thunderfx_backend",
 ]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
@@ -151,6 +158,7 @@ def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
     keep_autograd_functions_out_of_thunder(gm)
     keep_addmm_in_thunder(gm)
     keep_mask_preparation_in_thunder(gm)
+    fill_of_slices_as_cat(gm)
 
 
 # Namespaces of FSDP2's traced communication: functional collectives and its copy-in/out ops.
@@ -266,6 +274,72 @@ def keep_mask_preparation_in_thunder(gm: torch.fx.GraphModule) -> int:
             count += _diff_as_slices(gm.graph, node)
         elif (node.op, node.target) == ("call_method", "new_ones"):
             count += _new_ones_as_ones(node)
+    if count:
+        gm.recompile()
+    return count
+
+
+def _last_axis_span(index, size: int) -> tuple[int, int] | None:
+    """``(start, stop)`` where ``index`` is ``(..., slice(start, stop))`` with step 1."""
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)):
+        return None
+    start, stop, step = index[1].indices(size)
+    return (start, stop) if step == 1 and start < stop else None
+
+
+def _fill_as_cat(graph: torch.fx.Graph, empty: torch.fx.Node) -> bool:
+    """``empty`` (``new_empty`` or ``torch.empty``) filled by ``copy_`` into slices that tile its last
+    axis before any other use, as the ``torch.cat`` of the sources, each broadcast to its slice's
+    shape and cast to ``empty``'s dtype (as ``copy_`` does); False where it is another form."""
+    value = empty.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.ndim == 0 or not all(isinstance(s, int) for s in value.shape):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    fills, others = [], []
+    for user in empty.users:
+        span = _last_axis_span(user.args[1], value.shape[-1]) if user.target is operator.getitem else None
+        copies = list(user.users)
+        if span is None or len(copies) != 1 or copies[0].target != "copy_" or copies[0].args[0] is not user:
+            others.append(user)
+            continue
+        (copy,) = copies
+        if copy.users or copy.kwargs or len(copy.args) != 2 or not isinstance(copy.args[1], torch.fx.Node):
+            return False
+        fills.append((span, user, copy))
+    fills.sort(key=lambda f: f[0])
+    spans = [f[0] for f in fills]
+    if not fills or spans[0][0] != 0 or spans[-1][1] != value.shape[-1] or any(
+            a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        return False
+    last = max((f[2] for f in fills), key=order.get)
+    if any(order[o] < order[last] for o in others):
+        return False
+    pieces = []
+    with graph.inserting_before(last.next):  # in order (inserting_after(last) would reverse them)
+        for (start, stop), _, copy in fills:
+            source = copy.args[1]
+            piece = call_with_example_value(graph, torch.Tensor.expand, (source, *value.shape[:-1], stop - start))
+            if source.meta["example_value"].dtype != value.dtype:
+                piece = call_with_example_value(graph, torch.Tensor.to, (piece, value.dtype))
+            pieces.append(piece)
+        joined = call_with_example_value(graph, torch.cat, (pieces,), {"dim": -1})
+    for o in others:
+        o.replace_input_with(empty, joined)
+    for _, view, copy in fills:
+        graph.erase_node(copy)
+        graph.erase_node(view)
+    graph.erase_node(empty)
+    return True
+
+
+def fill_of_slices_as_cat(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that an empty tensor filled by ``copy_`` into
+    slices that tile its last axis is the ``torch.cat`` of what is copied (``_fill_as_cat``), the
+    same values with no in-place op; the count rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if (node.op, node.target) in (("call_method", "new_empty"), ("call_function", torch.empty)):
+            count += _fill_as_cat(gm.graph, node)
     if count:
         gm.recompile()
     return count

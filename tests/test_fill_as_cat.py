@@ -1,0 +1,85 @@
+"""The backend's rewrite of an empty tensor filled by ``copy_`` into slices of its last axis
+(``thunder_memopt.backend.fill_of_slices_as_cat``), as DeepSeek's multi-head latent attention makes
+its keys: the ``torch.cat`` of the sources, the same values.
+
+Its keys' inputs, the split of one projection into keys and values of different sizes, reach the
+Thunder region as views of one storage, where plain ThunderCompiler fails on the in-place form
+(Thunder 0.2.6's ``insert_alias_updates`` reshapes one into the other). Under ``thunderfx_backend``
+the step is eager's bit for bit (fusion off: the same kernels). A fill that leaves part of the
+tensor empty, or is read before it is whole, is left as it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from thunder.dynamo import ThunderCompiler
+
+from thunder_memopt import thunderfx_backend
+from thunder_memopt.backend import fill_of_slices_as_cat
+
+NOPE, ROPE, VALUE = 8, 4, 6
+
+
+def _latent_keys(k_nope, value, k_rot):
+    """DeepSeek-V3's ``DeepseekV3Attention``'s keys (transformers 5.17), then a use of keys and values."""
+    k_rot = k_rot.expand(-1, k_nope.shape[1], -1, -1)
+    keys = k_nope.new_empty(*k_nope.shape[:-1], NOPE + ROPE)
+    keys[..., :NOPE].copy_(k_nope)
+    keys[..., NOPE:].copy_(k_rot)
+    return keys.sum(-1, keepdim=True) * value
+
+
+def _step(backend) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 3, 5, NOPE + VALUE, generator=g, requires_grad=True)
+    k_rot = torch.randn(2, 1, 5, ROPE, generator=g, requires_grad=True)
+    k_nope, value = torch.split(kv, [NOPE, VALUE], dim=-1)
+    f = _latent_keys if backend is None else torch.compile(_latent_keys, backend=backend)
+    out = f(k_nope, value, k_rot)
+    out.sum().backward()
+    return [out.detach(), kv.grad, k_rot.grad]
+
+
+def test_latent_attentions_keys_train_as_eager_where_plain_thunder_fails():
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="reshape"):
+        _step(ThunderCompiler())
+    torch._dynamo.reset()
+    for got, expected in zip(_step(thunderfx_backend(fusion=False)), _step(None)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _rewritten(f, *args) -> list[int]:
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(fill_of_slices_as_cat(gm))
+        return gm
+
+    torch._dynamo.reset()
+    expected = f(*args)
+    torch.testing.assert_close(torch.compile(f, backend=backend)(*args), expected, rtol=0, atol=0)
+    return counts
+
+
+def _partly_filled(x):
+    keys = x.new_empty(*x.shape[:-1], 2 * x.shape[-1])
+    keys[..., : x.shape[-1]].copy_(x)
+    return keys[..., : x.shape[-1]] * 2
+
+
+def _read_while_filled(x):
+    keys = x.new_empty(*x.shape[:-1], 2 * x.shape[-1])
+    keys[..., : x.shape[-1]].copy_(x)
+    first = keys[..., :1].clone()
+    keys[..., x.shape[-1]:].copy_(x)
+    return keys * first
+
+
+def test_only_a_fill_that_tiles_the_tensor_before_any_read_is_rewritten():
+    x = torch.randn(3, 4)
+    assert _rewritten(_latent_keys, torch.randn(2, 3, 5, NOPE), torch.randn(2, 3, 5, VALUE),
+                      torch.randn(2, 1, 5, ROPE)) == [1]
+    assert _rewritten(_partly_filled, x) == [0]
+    assert _rewritten(_read_while_filled, x) == [0]
