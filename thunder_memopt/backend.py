@@ -59,8 +59,9 @@ from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = [
-    "THUNDER_OPTIONS", "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "fill_of_slices_as_cat",
-    "thunderfx_backend",
+    "THUNDER_OPTIONS", "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder",
+    "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder",
+    "fill_of_slices_as_cat", "thunderfx_backend",
 ]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
