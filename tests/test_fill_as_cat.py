@@ -6,7 +6,9 @@ Its keys' inputs, the split of one projection into keys and values of different 
 Thunder region as views of one storage, where plain ThunderCompiler fails on the in-place form
 (Thunder 0.2.6's ``insert_alias_updates`` reshapes one into the other). Under ``thunderfx_backend``
 the step is eager's bit for bit (fusion off: the same kernels). A fill that leaves part of the
-tensor empty, or is read before it is whole, is left as it is.
+tensor empty, or is read before it is whole, is left as it is. And DeepSeek-V2's complex rotary
+embedding, which Thunder differentiates wrong, gets the backend's warning
+(``warn_on_complex_products``).
 """
 
 from __future__ import annotations
@@ -83,3 +85,28 @@ def test_only_a_fill_that_tiles_the_tensor_before_any_read_is_rewritten():
                       torch.randn(2, 1, 5, ROPE)) == [1]
     assert _rewritten(_partly_filled, x) == [0]
     assert _rewritten(_read_while_filled, x) == [0]
+
+
+def _complex_rotary(q, freqs):
+    """DeepSeek-V2's rotary embedding (transformers 5.17's ``apply_rotary_emb``)."""
+    rotated = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2)) * freqs
+    return torch.view_as_real(rotated).flatten(-2).type_as(q)
+
+
+def test_a_complex_product_in_thunder_warns_that_its_gradient_is_wrong():
+    """Plain ThunderCompiler's gradient through ``view_as_complex(q) * freqs`` is not torch's; the
+    backend says so once, where the product runs in Thunder."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    freqs = torch.polar(torch.ones(5, 4), torch.randn(5, 4, generator=g))
+    grads = []
+    for backend in (None, ThunderCompiler()):
+        torch._dynamo.reset()
+        q.grad = None
+        f = _complex_rotary if backend is None else torch.compile(_complex_rotary, backend=backend)
+        (f(q, freqs) * torch.arange(8.0)).sum().backward()
+        grads.append(q.grad.clone())
+    assert not torch.allclose(*grads)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="1 products of complex tensors run in Thunder"):
+        torch.compile(_complex_rotary, backend=thunderfx_backend(fusion=False))(q, freqs)

@@ -39,12 +39,15 @@ LongCat-Flash, Youtu, ...) fills an empty tensor by ``copy_`` into slices of its
 0.2.6 fails on that in-place form where the region's inputs view one storage at different sizes
 (its ``insert_alias_updates`` reshapes one into the other), as that attention's split of keys and
 values does. The backend writes it as the ``torch.cat`` of the sources (``fill_of_slices_as_cat``).
+A product of complex tensors (DeepSeek-V2's and Llama-4's rotary embeddings) gets one warning:
+Thunder differentiates it wrong (``warn_on_complex_products``).
 """
 
 from __future__ import annotations
 
 import inspect
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,7 +64,7 @@ from thunder_memopt.transform import MemoryOptimization
 __all__ = [
     "THUNDER_OPTIONS", "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder",
     "keep_collectives_out_of_thunder", "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder",
-    "fill_of_slices_as_cat", "thunderfx_backend",
+    "fill_of_slices_as_cat", "warn_on_complex_products", "thunderfx_backend",
 ]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
@@ -157,6 +160,7 @@ def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
     rewrites are for (tests/test_transformers.py)."""
     keep_collectives_out_of_thunder(gm)
     keep_autograd_functions_out_of_thunder(gm)
+    warn_on_complex_products(gm)
     keep_addmm_in_thunder(gm)
     keep_mask_preparation_in_thunder(gm)
     fill_of_slices_as_cat(gm)
@@ -206,6 +210,31 @@ def keep_autograd_functions_out_of_thunder(gm: torch.fx.GraphModule) -> int:
     Thunder 0.2.6 cannot trace (no ``args_tensor_mask``: torch 2.11's) runs outside Thunder; the count."""
     return _send_outside_thunder(gm, lambda n: n.target is torch.ops.higher_order.autograd_function_apply
                                  and "args_tensor_mask" not in n.kwargs)
+
+
+def _complex(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_complex()
+
+
+# Products and quotients whose gradient through complex tensors Thunder 0.2.6 gets wrong: under
+# plain ThunderCompiler, ``view_as_real(view_as_complex(q) * w)`` gives q another gradient than
+# torch's autograd does (without the product, the same).
+_COMPLEX_PRODUCTS = {operator.mul, torch.mul, operator.truediv, torch.div, operator.matmul, torch.matmul}
+
+
+def warn_on_complex_products(gm: torch.fx.GraphModule) -> int:
+    """Warn, once per graph, where a product or quotient of complex tensors may run in Thunder; the
+    count. Sent to inductor, such a rotary embedding (DeepSeek-V2's and Llama-4's
+    ``view_as_complex(q) * freqs_cis``) fails to compile there, so it stays, and its gradients are
+    Thunder's: their query projection's off by more than its own size on the narrowed models of
+    benchmarks/diagnostics/hf_conformance.py."""
+    count = sum(n.op == "call_function" and n.target in _COMPLEX_PRODUCTS
+                and any(_complex(a.meta.get("example_value")) for a in n.all_input_nodes) for n in gm.graph.nodes)
+    if count:
+        warnings.warn(f"thunder_memopt: {count} products of complex tensors run in Thunder, which differentiates "
+                      f"them wrong (Thunder 0.2.6): the gradients that flow through them differ from torch's; "
+                      f"train this model with another backend")
+    return count
 
 
 def keep_addmm_in_thunder(gm: torch.fx.GraphModule) -> int:
