@@ -191,11 +191,13 @@ KNOWN = {
     "gemma3n_text": "plain ThunderCompiler() crashes alike (an in-place op on a leaf that requires grad): Thunder's",
     "qwen3_5_text": "plain ThunderCompiler() crashes alike (torch.eye in the linear attention's chunked rule, "
                     "which Thunder does not trace): Thunder's",
-    "deepseek_v3": "plain ThunderCompiler() crashes alike, in Thunder's insert_alias_updates (graph inputs that "
-                   "view one storage at different sizes): Thunder's",
-    **dict.fromkeys(("deepseek_v2", "axk1", "glm4_moe_lite", "youtu", "minicpm3", "glm_moe_dsa", "longcat_flash"),
-                    "deepseek_v3's error, which plain ThunderCompiler() gives alike there; not run under plain "
+    # Since 79136fd's rewrite of the keys' fill (2026-12-06), these run; their worst gradients:
+    **dict.fromkeys(("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa", "axk1"),
+                    "the MoE router gate's or experts' gradient, as the MoE models above; not run under plain "
                     "ThunderCompiler() here"),
+    "deepseek_v2": "its query's gradient: Thunder differentiates the complex product of its rotary embedding "
+                   "wrong (plain ThunderCompiler() alike on a 5-line rotary, tests/test_fill_as_cat.py); the "
+                   "backend warns",
     **dict.fromkeys(("gpt2", "gpt-sw3"), "head not fused: dynamo breaks the graph at the loss (transformers "
                     "logs that the loss type of GPT2LMHeadModel is unrecognized), so the head's linear and the "
                     "cross-entropy are in two graphs"),
