@@ -40,11 +40,13 @@ LongCat-Flash, Youtu, ...) fills an empty tensor by ``copy_`` into slices of its
 (its ``insert_alias_updates`` reshapes one into the other), as that attention's split of keys and
 values does. The backend writes it as the ``torch.cat`` of the sources (``fill_of_slices_as_cat``).
 A product of complex tensors (DeepSeek-V2's and Llama-4's rotary embeddings) gets one warning:
-Thunder differentiates it wrong (``warn_on_complex_products``).
+Thunder differentiates it wrong (``warn_on_complex_products``). ``torch.eye`` (Qwen3.5's and
+OLMo-Hybrid's linear attention), which Thunder does not have, becomes a comparison of aranges.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import warnings
@@ -294,16 +296,39 @@ def _new_ones_as_ones(node: torch.fx.Node) -> bool:
     return True
 
 
+def _eye_as_comparison(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """``torch.eye(n[, m], dtype=..., device=...)`` as ``(arange(n)[:, None] == arange(m)) .to(dtype)``,
+    the same values (Thunder 0.2.6 has no ``eye``: Qwen3.5's and OLMo-Hybrid's linear attention
+    failed in Thunder's interpreter); False for a size dynamo left symbolic."""
+    result = node.meta.get("example_value")
+    if not isinstance(result, torch.Tensor) or result.ndim != 2 or not all(isinstance(s, int) for s in result.shape):
+        return False
+    rows, columns = result.shape
+    on = {"device": result.device}
+    # The aranges' example values made in the graph's fake mode, as dynamo would (they read no node).
+    with graph.inserting_before(node), getattr(result, "fake_mode", None) or contextlib.nullcontext():
+        row = call_with_example_value(graph, torch.arange, (rows,), on)
+        column = call_with_example_value(graph, torch.arange, (columns,), on)
+        row = call_with_example_value(graph, torch.unsqueeze, (row, 1))
+        diagonal = call_with_example_value(graph, torch.eq, (row, column))
+        eye = call_with_example_value(graph, torch.Tensor.to, (diagonal, result.dtype))
+    node.replace_all_uses_with(eye)
+    graph.erase_node(node)
+    return True
+
+
 def keep_mask_preparation_in_thunder(gm: torch.fx.GraphModule) -> int:
-    """Rewrite a dynamo ``GraphModule`` in place so that ``torch.diff`` and ``Tensor.new_ones``, which
-    Thunder runs only through its torch fallback, become ops Thunder has, with the same values; the
-    count rewritten."""
+    """Rewrite a dynamo ``GraphModule`` in place so that ``torch.diff``, ``Tensor.new_ones`` and
+    ``torch.eye``, which Thunder runs only through its torch fallback or not at all, become ops
+    Thunder has, with the same values; the count rewritten."""
     count = 0
     for node in list(gm.graph.nodes):
         if (node.op, node.target) in (("call_function", torch.diff), ("call_method", "diff")):
             count += _diff_as_slices(gm.graph, node)
         elif (node.op, node.target) == ("call_method", "new_ones"):
             count += _new_ones_as_ones(node)
+        elif (node.op, node.target) == ("call_function", torch.eye):
+            count += _eye_as_comparison(gm.graph, node)
     if count:
         gm.recompile()
     return count

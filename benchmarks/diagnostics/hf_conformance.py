@@ -180,8 +180,6 @@ KNOWN = {
                     "the MoE router gate's gradient at step 1, as the models above, where plain ThunderCompiler() "
                     "mismatches alike; not run under plain ThunderCompiler() here"),
     "hy_v4": "plain ThunderCompiler() crashes alike (expand: the requested shape has too few dimensions): Thunder's",
-    "olmo_hybrid": "torch.eye, as qwen3_5_text, where plain ThunderCompiler() crashes alike; not run under plain "
-                   "ThunderCompiler() here",
     **dict.fromkeys(("ctrl", "llama4_text"), "plain ThunderCompiler() mismatches alike, with the same errors: "
                     "Thunder's"),
     "cpmant": "plain ThunderCompiler() mismatches alike (step 2, a layernorm weight's gradient, 1.2e-3): Thunder's",
@@ -189,8 +187,6 @@ KNOWN = {
               "cannot run it (its router's autograd.Function, which this backend hands to inductor)",
     "deepseek_v4": "not explained (also over 600 s in a loaded run)",
     "gemma3n_text": "plain ThunderCompiler() crashes alike (an in-place op on a leaf that requires grad): Thunder's",
-    "qwen3_5_text": "plain ThunderCompiler() crashes alike (torch.eye in the linear attention's chunked rule, "
-                    "which Thunder does not trace): Thunder's",
     # Since 79136fd's rewrite of the keys' fill (2026-12-06), these run; their worst gradients:
     **dict.fromkeys(("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa", "axk1"),
                     "the MoE router gate's or experts' gradient, as the MoE models above; not run under plain "

@@ -1,14 +1,17 @@
-"""The backend's rewrite of an empty tensor filled by ``copy_`` into slices of its last axis
-(``thunder_memopt.backend.fill_of_slices_as_cat``), as DeepSeek's multi-head latent attention makes
-its keys: the ``torch.cat`` of the sources, the same values.
+"""The backend's graph rewrites for transformers models that Thunder 0.2.6 fails on
+(thunder_memopt.backend).
 
-Its keys' inputs, the split of one projection into keys and values of different sizes, reach the
-Thunder region as views of one storage, where plain ThunderCompiler fails on the in-place form
-(Thunder 0.2.6's ``insert_alias_updates`` reshapes one into the other). Under ``thunderfx_backend``
-the step is eager's bit for bit (fusion off: the same kernels). A fill that leaves part of the
-tensor empty, or is read before it is whole, is left as it is. And DeepSeek-V2's complex rotary
-embedding, which Thunder differentiates wrong, gets the backend's warning
-(``warn_on_complex_products``).
+- An empty tensor filled by ``copy_`` into slices of its last axis, as DeepSeek's multi-head latent
+  attention makes its keys (``fill_of_slices_as_cat``): the ``torch.cat`` of the sources. Its
+  inputs, the split of one projection into keys and values of different sizes, reach the Thunder
+  region as views of one storage, where plain ThunderCompiler fails on the in-place form (Thunder's
+  ``insert_alias_updates`` reshapes one into the other). Under ``thunderfx_backend`` the step is
+  eager's bit for bit (fusion off: the same kernels). A fill that leaves part of the tensor empty,
+  or is read before it is whole, is left as it is.
+- DeepSeek-V2's complex rotary embedding, which Thunder differentiates wrong, gets the backend's
+  warning (``warn_on_complex_products``).
+- ``torch.eye`` (Qwen3.5's linear attention), which Thunder does not have, as a comparison of
+  aranges.
 """
 
 from __future__ import annotations
@@ -110,3 +113,23 @@ def test_a_complex_product_in_thunder_warns_that_its_gradient_is_wrong():
     torch._dynamo.reset()
     with pytest.warns(UserWarning, match="1 products of complex tensors run in Thunder"):
         torch.compile(_complex_rotary, backend=thunderfx_backend(fusion=False))(q, freqs)
+
+
+def _chunked_rule(x):
+    """Qwen3.5's linear attention adds an identity of its chunk's size (transformers 5.17)."""
+    return (x @ x.transpose(-1, -2)).tril(-1) + torch.eye(x.shape[-2], dtype=x.dtype, device=x.device)
+
+
+def test_eye_runs_in_thunder_as_a_comparison_with_eyes_values():
+    """Thunder 0.2.6 has no ``torch.eye`` (its interpreter raises NotImplementedError); the backend
+    writes it as ``arange(n)[:, None] == arange(n)``, cast: bit for bit eager's, in one region, where
+    plain ThunderCompiler raises."""
+    x = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="torch.eye"):
+        torch.compile(_chunked_rule, backend=ThunderCompiler())(x)
+    torch._dynamo.reset()
+    backend = thunderfx_backend(fusion=False)
+    got = torch.compile(_chunked_rule, backend=backend)(x)
+    torch.testing.assert_close(got, _chunked_rule(x), rtol=0, atol=0)
+    assert [len(info.thunder_compiled_fns) for info in backend.compiler.subgraph_infos] == [1]
