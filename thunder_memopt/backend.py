@@ -349,7 +349,6 @@ def _fill_as_cat(graph: torch.fx.Graph, empty: torch.fx.Node) -> bool:
     value = empty.meta.get("example_value")
     if not isinstance(value, torch.Tensor) or value.ndim == 0 or not all(isinstance(s, int) for s in value.shape):
         return False
-    order = {n: i for i, n in enumerate(graph.nodes)}
     fills, others = [], []
     for user in empty.users:
         span = _last_axis_span(user.args[1], value.shape[-1]) if user.target is operator.getitem else None
@@ -366,6 +365,7 @@ def _fill_as_cat(graph: torch.fx.Graph, empty: torch.fx.Node) -> bool:
     if not fills or spans[0][0] != 0 or spans[-1][1] != value.shape[-1] or any(
             a[1] != b[0] for a, b in zip(spans, spans[1:])):
         return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
     last = max((f[2] for f in fills), key=order.get)
     if any(order[o] < order[last] for o in others):
         return False

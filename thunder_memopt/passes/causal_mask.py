@@ -48,8 +48,19 @@ def is_causal_mask(values: TensorValues, mask) -> bool:
     """Whether ``mask`` is, by how it is made, true exactly where the key's index (its last axis) is
     at most the query's (the axis before): ``k * (q_idx - kv_idx) >= 0`` for some ``k > 0``, alone or
     AND-ed with a window that every query's keys fit in."""
+    return causal_band(values, mask) == 0
+
+
+def causal_band(values: TensorValues, mask) -> int | None:
+    """How far back each query sees, by how ``mask`` is made: 0 for a causal mask (every earlier
+    key, ``is_causal_mask``), ``w`` for a sliding window of ``w`` keys (``sliding_window``); None for
+    any other mask."""
     band = _band(values, mask)
-    return band is not None and band[0] == 0 and (band[1] is None or band[1] >= mask.shape[-2] - 1)
+    if band is None or band[0] != 0:
+        return None
+    if band[1] is None or band[1] >= mask.shape[-2] - 1:
+        return 0
+    return band[1] + 1 if band[1] >= 0 and mask.shape[-1] == mask.shape[-2] else None
 
 
 def shows_each_query_its_own_key(values: TensorValues, mask) -> bool:
@@ -68,10 +79,7 @@ def sliding_window(values: TensorValues, mask) -> int | None:
     index along the others: transformers' sliding-window causal mask, ``kv_idx <= q_idx`` AND
     ``kv_idx > q_idx - w`` (Mistral, Phi-3, Gemma-2's sliding layers). None for any other mask, a
     causal one included (``is_causal_mask``)."""
-    band = _band(values, mask)
-    if band is None or band[0] != 0 or band[1] is None or mask.shape[-1] != mask.shape[-2]:
-        return None
-    return band[1] + 1 if 0 <= band[1] < mask.shape[-2] - 1 else None
+    return causal_band(values, mask) or None
 
 
 def _band(values: TensorValues, mask) -> tuple[int, int | None] | None:
@@ -227,10 +235,11 @@ def causal_attention(trace: TraceCtx) -> TraceCtx:
     for b, arguments in attentions:
         qkv = arguments["query"], arguments["key"], arguments["value"]
         mask, scale = arguments["attn_mask"], arguments["scale"]
-        if is_causal_mask(values, mask):
+        band = causal_band(values, mask)
+        if band == 0:
             call = lambda: ltorch.scaled_dot_product_attention(*qkv, None, arguments["dropout_p"], True, scale=scale)
-        elif arguments["dropout_p"] == 0.0 and window_supports(*qkv) and (window := sliding_window(values, mask)):
-            call = lambda: window_attention(*qkv, window, scale)
+        elif band and arguments["dropout_p"] == 0.0 and window_supports(*qkv):
+            call = lambda: window_attention(*qkv, band, scale)
             windows += 1
         else:
             continue
@@ -258,12 +267,6 @@ _POSITIONS = Affine.of({-1: 1}, 0)
 def _may_hold_positions(x) -> bool:
     return (isinstance(x, TensorProxy) and dtypes.is_exact_dtype(x.dtype) and not dtypes.is_boolean_dtype(x.dtype)
             and x.ndim >= 1 and all(isinstance(s, int) for s in x.shape))
-
-
-def causal_band(values: TensorValues, mask) -> int | None:
-    """How far back each query sees, by how ``mask`` is made: 0 for a causal mask (every earlier
-    key), ``w`` for a sliding window of ``w`` keys (``sliding_window``); None for any other mask."""
-    return 0 if is_causal_mask(values, mask) else sliding_window(values, mask)
 
 
 def causal_outputs(trace: TraceCtx) -> dict[int, tuple[tuple[int, ...], int]]:
