@@ -1,5 +1,5 @@
 """The backend's graph rewrites for transformers models that Thunder 0.2.6 fails on
-(thunder_memopt.backend).
+(thunder_memopt.graph_rewrites).
 
 - An empty tensor filled by ``copy_`` into slices of its last axis, as DeepSeek's multi-head latent
   attention makes its keys (``fill_of_slices_as_cat``): the ``torch.cat`` of the sources. Its
@@ -8,20 +8,26 @@
   ``insert_alias_updates`` reshapes one into the other). Under ``thunderfx_backend`` the step is
   eager's bit for bit (fusion off: the same kernels). A fill that leaves part of the tensor empty,
   or is read before it is whole, is left as it is.
-- DeepSeek-V2's complex rotary embedding, which Thunder differentiates wrong, gets the backend's
-  warning (``warn_on_complex_products``).
+- DeepSeek-V2's complex rotary embedding, which Thunder differentiates wrong, in real ops
+  (``complex_products_as_real``); a complex product left in Thunder gets a warning.
 - ``torch.eye`` (Qwen3.5's linear attention), which Thunder does not have, as a comparison of
   aranges.
+- An in-place op on a tensor nothing else aliases, as its out-of-place form
+  (``in_place_as_out_of_place``): Mixtral's router normalizes its top-k weights in place, and plain
+  ThunderCompiler gives the router another gradient than eager's. A tensor viewed before it is
+  changed, or an input, is left alone.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 from thunder.dynamo import ThunderCompiler
 
 from thunder_memopt import thunderfx_backend
-from thunder_memopt.backend import fill_of_slices_as_cat
+from thunder_memopt.graph_rewrites import fill_of_slices_as_cat, in_place_as_out_of_place
 
 NOPE, ROPE, VALUE = 8, 4, 6
 
@@ -55,15 +61,16 @@ def test_latent_attentions_keys_train_as_eager_where_plain_thunder_fails():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def _rewritten(f, *args) -> list[int]:
+def _rewritten(f, *args, rewrite=fill_of_slices_as_cat) -> list[int]:
+    """What ``rewrite`` counts in each of ``f``'s dynamo graphs, which then run bit for bit as ``f``."""
     counts = []
 
     def backend(gm, example_inputs):
-        counts.append(fill_of_slices_as_cat(gm))
+        counts.append(rewrite(gm))
         return gm
 
     torch._dynamo.reset()
-    expected = f(*args)
+    expected = f(*[a.clone() for a in args])  # clones: f may change its inputs
     torch.testing.assert_close(torch.compile(f, backend=backend)(*args), expected, rtol=0, atol=0)
     return counts
 
@@ -96,23 +103,34 @@ def _complex_rotary(q, freqs):
     return torch.view_as_real(rotated).flatten(-2).type_as(q)
 
 
-def test_a_complex_product_in_thunder_warns_that_its_gradient_is_wrong():
+def _complex_norm(q, freqs):
+    """A complex product read otherwise than through ``view_as_real``."""
+    return (torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2)) * freqs).abs()
+
+
+def test_a_complex_rotary_trains_as_eager_where_plain_thunder_does_not():
     """Plain ThunderCompiler's gradient through ``view_as_complex(q) * freqs`` is not torch's; the
-    backend says so once, where the product runs in Thunder."""
+    backend computes the product in real ops (within 1e-6: another order of the same products) and
+    warns only of a complex product that it leaves in Thunder."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 5, 8, generator=g, requires_grad=True)
     freqs = torch.polar(torch.ones(5, 4), torch.randn(5, 4, generator=g))
     grads = []
-    for backend in (None, ThunderCompiler()):
+    for backend in (None, ThunderCompiler(), thunderfx_backend(fusion=False)):
         torch._dynamo.reset()
         q.grad = None
         f = _complex_rotary if backend is None else torch.compile(_complex_rotary, backend=backend)
-        (f(q, freqs) * torch.arange(8.0)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (f(q, freqs) * torch.arange(8.0)).sum().backward()
+        assert not [w for w in caught if "products of complex tensors" in str(w.message)]
         grads.append(q.grad.clone())
-    assert not torch.allclose(*grads)
+    eager, thunder, memopt = grads
+    assert not torch.allclose(thunder, eager)
+    torch.testing.assert_close(memopt, eager, rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
     with pytest.warns(UserWarning, match="1 products of complex tensors run in Thunder"):
-        torch.compile(_complex_rotary, backend=thunderfx_backend(fusion=False))(q, freqs)
+        torch.compile(_complex_norm, backend=thunderfx_backend(fusion=False))(q, freqs)
 
 
 def _chunked_rule(x):
@@ -133,3 +151,64 @@ def test_eye_runs_in_thunder_as_a_comparison_with_eyes_values():
     got = torch.compile(_chunked_rule, backend=backend)(x)
     torch.testing.assert_close(got, _chunked_rule(x), rtol=0, atol=0)
     assert [len(info.thunder_compiled_fns) for info in backend.compiler.subgraph_infos] == [1]
+
+
+def _router(hidden, weight):
+    """Mixtral's ``MixtralTopKRouter`` (transformers 5.17): top-2 of the softmax, normalized in place."""
+    probs = torch.softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1)
+    top, indices = torch.topk(probs, 2, dim=-1)
+    top /= top.sum(dim=-1, keepdim=True)
+    return top, indices
+
+
+def _routed(hidden, weight, experts):
+    top, indices = _router(hidden, weight)
+    return (top * experts.gather(-1, indices)).sum()
+
+
+def test_a_router_normalized_in_place_gets_eagers_gradient_where_plain_thunder_does_not():
+    """Thunder 0.2.6 saves ``top`` for the division's backward and overwrites it in the forward."""
+    g = torch.Generator().manual_seed(0)
+    hidden, experts = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    weight = torch.randn(4, 8, generator=g, requires_grad=True)
+    grads = {}
+    for name, backend in (("eager", None), ("thunder", ThunderCompiler()), ("memopt", thunderfx_backend(fusion=False))):
+        torch._dynamo.reset()
+        f = _routed if backend is None else torch.compile(_routed, backend=backend)
+        grads[name], = torch.autograd.grad(f(hidden, weight, experts), weight)
+    assert (grads["thunder"] - grads["eager"]).abs().max() > 0.1 * grads["eager"].abs().max()
+    torch.testing.assert_close(grads["memopt"], grads["eager"], rtol=1e-6, atol=1e-6)
+
+
+def _router_read_through_an_alias(hidden, weight):
+    """HunYuan-MoE's router (transformers 5.17): ``.to`` of the normalized weights returns them."""
+    top, indices = _router(hidden, weight)
+    return top.to(torch.float32), indices
+
+
+def _viewed_then_changed(x):
+    y = x * 2
+    row = y[0]
+    y /= y.sum()
+    return y + row.sum()
+
+
+def _input_changed(x):
+    x.mul_(2)
+    return x + 1
+
+
+def _narrowing_change(x):
+    y = x * 3  # bf16: the in-place result keeps that dtype, the out-of-place one would not
+    y /= torch.arange(1.0, 5.0)
+    return y
+
+
+def test_only_an_in_place_op_on_an_unaliased_tensor_of_the_graph_is_rewritten():
+    router = torch.randn(6, 8), torch.randn(4, 8)
+    assert _rewritten(_router, *router, rewrite=in_place_as_out_of_place) == [1]
+    assert _rewritten(_router_read_through_an_alias, *router, rewrite=in_place_as_out_of_place) == [1]
+    assert _rewritten(_narrowing_change, torch.randn(3, 4, dtype=torch.bfloat16),
+                      rewrite=in_place_as_out_of_place) == [1]
+    assert _rewritten(_viewed_then_changed, torch.randn(3, 4), rewrite=in_place_as_out_of_place) == [0]
+    assert _rewritten(_input_changed, torch.randn(3, 4), rewrite=in_place_as_out_of_place) == [0]

@@ -1,5 +1,5 @@
 """The causal-mask pass (thunder_memopt.passes.causal_mask) and the backend's rewrite of transformers'
-mask preparation (thunder_memopt.backend.keep_mask_preparation_in_thunder).
+mask preparation (thunder_memopt.graph_rewrites.keep_mask_preparation_in_thunder).
 
 Which masks the checker proves causal from the ops that make them, and that every attention, the
 ones it rewrites to ``is_causal=True`` and the ones it leaves, computes what it did: on CPU bit for
@@ -18,7 +18,7 @@ import torch
 
 from _hf import build, tokens
 from thunder_memopt import MemoryOptimization, executors, thunderfx_backend
-from thunder_memopt.backend import keep_mask_preparation_in_thunder
+from thunder_memopt.graph_rewrites import keep_mask_preparation_in_thunder
 
 T = 16
 PROVEN = "thunder_memopt causal_mask"

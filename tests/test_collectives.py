@@ -145,7 +145,7 @@ def test_functional_collectives_are_kept_out_of_thunder():
     import torch
     import torch.fx
 
-    from thunder_memopt.backend import keep_collectives_out_of_thunder
+    from thunder_memopt.graph_rewrites import keep_collectives_out_of_thunder
 
     g = torch.fx.Graph()
     x = g.placeholder("x")

@@ -82,7 +82,7 @@ def test_gpt2_fusion_off_is_plain_thundercompiler_on_the_rewritten_graph():
     the graph as dynamo gives it, which plain ThunderCompiler splits at the mask's preparation and
     at each addmm, the loss is the same and some gradients differ in fp32's last bits: the joined
     regions sum a tensor's gradient contributions in another order (rewrite_for_thunder)."""
-    from thunder_memopt.backend import rewrite_for_thunder
+    from thunder_memopt.graph_rewrites import rewrite_for_thunder
 
     def rewritten(gm, example_inputs, compiler=ThunderCompiler()):
         rewrite_for_thunder(gm)

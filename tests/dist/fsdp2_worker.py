@@ -26,8 +26,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
 
 import thunder_memopt.backend as backend_module
+import thunder_memopt.graph_rewrites as graph_rewrites
 from thunder.dynamo import ThunderCompiler
-from thunder_memopt.backend import keep_collectives_out_of_thunder
+from thunder_memopt.graph_rewrites import keep_collectives_out_of_thunder
 from _common import finish, max_grad_diff
 import thunder_memopt.passes.offload as offload_pass
 from thunder_memopt import MemoryOptimization
@@ -124,7 +125,7 @@ def count_hidden_collectives() -> list[int]:
         counts.append(keep_collectives_out_of_thunder(gm))
         return counts[-1]
 
-    backend_module.keep_collectives_out_of_thunder = counting
+    graph_rewrites.keep_collectives_out_of_thunder = counting
     return counts
 
 
@@ -137,7 +138,7 @@ def report() -> dict:
         return _compare_variants()
     finally:
         (offload_pass.MIN_BYTES, torch._dynamo.config.skip_fsdp_hooks,
-         backend_module.keep_collectives_out_of_thunder) = saved_settings
+         graph_rewrites.keep_collectives_out_of_thunder) = saved_settings
 
 
 # name, reshard_after_forward, skip_fsdp_hooks, autocast, and whether the step runs again with

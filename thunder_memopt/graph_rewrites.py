@@ -1,0 +1,418 @@
+"""The backend's rewrites of a dynamo graph before ThunderCompiler splits it (``rewrite_for_thunder``).
+
+Each rewrite works around one thing Thunder 0.2.6 does not do, with the same values:
+- collectives and torch 2.11's ``autograd_function_apply`` run outside Thunder, in inductor;
+- ``addmm``, ``torch.diff``, ``new_ones`` and ``eye`` become ops Thunder has, so the graph does not split;
+- an empty tensor filled through slices becomes a ``torch.cat``;
+- an in-place op on a tensor nothing else aliases becomes its out-of-place form;
+- a product of complex tensors, which Thunder differentiates wrong, gets a warning.
+Each function's docstring says what fails without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from thunder_memopt.causal_inputs import call_with_example_value
+
+__all__ = [
+    "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder",
+    "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "fill_of_slices_as_cat",
+    "in_place_as_out_of_place", "complex_products_as_real", "warn_on_complex_products",
+]
+
+def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
+    """The backend's rewrites of a dynamo graph, in place, before ThunderCompiler splits it.
+
+    Where they join what plain ThunderCompiler splits, the gradient of a tensor used in several
+    places sums its uses' contributions in another order: Thunder's backward adds them in the order
+    one trace meets them, autograd adds what each region returns. On GPT-2 the mask's rewrite joins
+    the embeddings to the first block, and the addmm's joins each projection to its neighbours:
+    the embeddings' gradients (three terms: the residual and two of LayerNorm's) and some biases'
+    differ from plain ThunderCompiler's in the last bit. Splitting as it splits would undo what the
+    rewrites are for (tests/test_transformers.py)."""
+    keep_collectives_out_of_thunder(gm)
+    keep_autograd_functions_out_of_thunder(gm)
+    complex_products_as_real(gm)
+    warn_on_complex_products(gm)
+    keep_addmm_in_thunder(gm)
+    keep_mask_preparation_in_thunder(gm)
+    fill_of_slices_as_cat(gm)
+    in_place_as_out_of_place(gm)
+
+
+# Namespaces of FSDP2's traced communication: functional collectives and its copy-in/out ops.
+_COLLECTIVE_NAMESPACES = {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor", "fsdp"}
+
+
+def _is_collective_target(target) -> bool:
+    namespace = getattr(target, "namespace", None)  # OpOverload and OpOverloadPacket
+    if namespace is None:
+        namespace = str(getattr(target, "_qualified_op_name", "")).split("::")[0] or None
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return True
+    return getattr(target, "__module__", "") == "torch.distributed._functional_collectives"
+
+
+def _run_outside_thunder(target):
+    """A callable Thunder has no mapping for, so its splitter sends the node to inductor."""
+
+    def collective(*args, **kwargs):
+        return target(*args, **kwargs)
+
+    name = f"thunder_memopt_outside_thunder_{getattr(target, '__name__', 'op')}"
+    collective.__name__ = collective.__qualname__ = name  # what ThunderCompiler's split reasons show
+    return collective
+
+
+def _send_outside_thunder(gm: torch.fx.GraphModule, matches: Callable[[torch.fx.Node], bool]) -> int:
+    """Rewrite ``gm`` in place so that each call ``matches`` picks runs outside Thunder; the count."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and matches(n)]
+    for n in nodes:
+        n.target = _run_outside_thunder(n.target)
+    if nodes:
+        gm.recompile()
+    return len(nodes)
+
+
+def keep_collectives_out_of_thunder(gm) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so no collective lands in a Thunder region; the count.
+    With ``torch._dynamo.config.skip_fsdp_hooks=False`` FSDP2's functional collectives reach the
+    backend, and Thunder maps ``wait_tensor`` to identity: the results would be wrong."""
+    return _send_outside_thunder(gm, lambda n: _is_collective_target(n.target))
+
+
+def keep_autograd_functions_out_of_thunder(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that each ``autograd_function_apply`` of the form
+    Thunder 0.2.6 cannot trace (no ``args_tensor_mask``: torch 2.11's) runs outside Thunder; the count.
+    torch 2.11 traces a custom ``torch.autograd.Function`` (BLOOM's GELU in training) so, with
+    ``saved_for_backward_idx``, where Thunder's lookaside reads ``args_tensor_mask`` (KeyError)."""
+    return _send_outside_thunder(gm, lambda n: n.target is torch.ops.higher_order.autograd_function_apply
+                                 and "args_tensor_mask" not in n.kwargs)
+
+
+def _complex(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_complex()
+
+
+# Products and quotients whose gradient through complex tensors Thunder 0.2.6 gets wrong: under
+# plain ThunderCompiler, ``view_as_real(view_as_complex(q) * w)`` gives q another gradient than
+# torch's autograd does (without the product, the same). Sent to inductor, that product failed to
+# compile there (view_as_complex's strides).
+_COMPLEX_PRODUCTS = {operator.mul, torch.mul, operator.truediv, torch.div, operator.matmul, torch.matmul}
+
+
+def warn_on_complex_products(gm: torch.fx.GraphModule) -> int:
+    """Warn, once per graph, where a product or quotient of two tensors, one of them complex, still
+    runs in Thunder (``complex_products_as_real`` rewrites the rotary embeddings' form); the count. A
+    complex tensor times a number is left out: its gradient needs no conjugate."""
+    count = sum(n.op == "call_function" and n.target in _COMPLEX_PRODUCTS and len(n.all_input_nodes) == 2
+                and any(_complex(a.meta.get("example_value")) for a in n.all_input_nodes) for n in gm.graph.nodes)
+    if count:
+        warnings.warn(f"thunder_memopt: {count} products of complex tensors run in Thunder, which differentiates "
+                      f"them wrong (Thunder 0.2.6): the gradients that flow through them differ from torch's; "
+                      f"train this model with another backend")
+    return count
+
+
+def _real_and_imaginary(graph: torch.fx.Graph, z: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Nodes of ``z``'s real and imaginary parts, read from the real tensor that ``view_as_complex``
+    made ``z`` of, or else from ``view_as_real(z)`` (an op Thunder does not have: it runs outside)."""
+    pairs = z.args[0] if z.op == "call_function" and z.target is torch.view_as_complex else None
+    if pairs is None:
+        pairs = call_with_example_value(graph, torch.view_as_real, (z,))
+    return tuple(call_with_example_value(graph, operator.getitem, (pairs, (Ellipsis, i))) for i in (0, 1))
+
+
+def complex_products_as_real(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that ``view_as_real(x * y)``, with ``x`` and ``y``
+    complex, is ``stack([a c - b d, a d + b c], -1)`` of their real and imaginary parts: the rotary
+    embedding of DeepSeek-V2 and Llama-4, ``view_as_real(view_as_complex(q) * freqs)``, in real ops.
+    Thunder 0.2.6 differentiates the complex product wrong (q's gradient is not torch's). The count
+    rewritten; a product read otherwise than through ``view_as_real`` is left (and warned of)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target in (operator.mul, torch.mul) and len(node.args) == 2
+                and all(isinstance(a, torch.fx.Node) and _complex(a.meta.get("example_value")) for a in node.args)
+                and node.users and all(u.target is torch.view_as_real for u in node.users)):
+            continue
+        with gm.graph.inserting_before(node):
+            (a, b), (c, d) = (_real_and_imaginary(gm.graph, z) for z in node.args)
+            product = lambda u, v: call_with_example_value(gm.graph, operator.mul, (u, v))
+            real = call_with_example_value(gm.graph, operator.sub, (product(a, c), product(b, d)))
+            imaginary = call_with_example_value(gm.graph, operator.add, (product(a, d), product(b, c)))
+            pairs = call_with_example_value(gm.graph, torch.stack, ((real, imaginary),), {"dim": -1})
+        for view in list(node.users):
+            view.replace_all_uses_with(pairs)
+            gm.graph.erase_node(view)
+        factors = node.args
+        gm.graph.erase_node(node)
+        # Not the graph's dead-code pass: it would drop in-place ops whose results nothing reads.
+        for z in factors:
+            if not z.users and z.target is torch.view_as_complex:
+                gm.graph.erase_node(z)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def keep_addmm_in_thunder(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that each ``torch.addmm(bias, x, w)`` with a 1-d bias
+    (no ``beta``, ``alpha``) is ``F.linear(x, w.t(), bias)``: for a 2-d ``x``, aten's ``linear`` is that
+    ``addmm``, on ``w.t().t()``, a view with ``w``'s strides. The count rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.addmm or node.kwargs or len(node.args) != 3:
+            continue
+        bias, x, w = node.args
+        if not all(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor)
+                   for a in (bias, x, w)) or bias.meta["example_value"].ndim != 1:
+            continue
+        with gm.graph.inserting_before(node):
+            transposed = call_with_example_value(gm.graph, torch.t, (w,))
+        node.target, node.args = torch.nn.functional.linear, (x, transposed, bias)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+_DIFF = ("input", "n", "dim", "prepend", "append")
+
+
+def _diff_as_slices(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """``torch.diff`` (n=1) as the difference of two slices of the concatenation of its operands (of
+    ``ne`` for booleans, as torch's logical_xor); False where it is another form."""
+    given = {**dict(zip(_DIFF, node.args)), **node.kwargs}
+    x, n, dim = given["input"], given.get("n", 1), given.get("dim", -1)
+    parts = [p for p in (given.get("prepend"), x, given.get("append")) if p is not None]
+    if n != 1 or not all(isinstance(p, torch.fx.Node) and "example_value" in p.meta for p in parts):
+        return False
+    value = x.meta["example_value"]
+    d = dim % value.ndim
+    before = (slice(None),) * d
+    with graph.inserting_before(node):
+        joined = call_with_example_value(graph, torch.cat, (parts,), {"dim": d}) if len(parts) > 1 else x
+        later = call_with_example_value(graph, operator.getitem, (joined, (*before, slice(1, None))))
+        earlier = call_with_example_value(graph, operator.getitem, (joined, (*before, slice(None, -1))))
+        difference = call_with_example_value(graph, operator.ne if value.dtype == torch.bool else operator.sub,
+                                             (later, earlier))
+    node.replace_all_uses_with(difference)
+    graph.erase_node(node)
+    return True
+
+
+def _new_ones_as_ones(node: torch.fx.Node) -> bool:
+    """``x.new_ones(size, ...)`` as ``torch.ones`` of its result's shape, dtype and device; False for
+    a shape dynamo left symbolic."""
+    result = node.meta.get("example_value")
+    if not isinstance(result, torch.Tensor) or not all(isinstance(s, int) for s in result.shape):
+        return False
+    node.op, node.target = "call_function", torch.ones
+    node.args, node.kwargs = (tuple(result.shape),), {"dtype": result.dtype, "device": result.device}
+    return True
+
+
+def _eye_as_comparison(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """``torch.eye(n[, m], dtype=..., device=...)`` as ``(arange(n)[:, None] == arange(m)) .to(dtype)``,
+    the same values (Thunder 0.2.6 has no ``eye``: Qwen3.5's and OLMo-Hybrid's linear attention
+    failed in Thunder's interpreter); False for a size dynamo left symbolic."""
+    result = node.meta.get("example_value")
+    if not isinstance(result, torch.Tensor) or result.ndim != 2 or not all(isinstance(s, int) for s in result.shape):
+        return False
+    rows, columns = result.shape
+    on = {"device": result.device}
+    # The aranges' example values made in the graph's fake mode, as dynamo would (they read no node).
+    with graph.inserting_before(node), getattr(result, "fake_mode", None) or contextlib.nullcontext():
+        row = call_with_example_value(graph, torch.arange, (rows,), on)
+        column = call_with_example_value(graph, torch.arange, (columns,), on)
+        row = call_with_example_value(graph, torch.unsqueeze, (row, 1))
+        diagonal = call_with_example_value(graph, torch.eq, (row, column))
+        eye = call_with_example_value(graph, torch.Tensor.to, (diagonal, result.dtype))
+    node.replace_all_uses_with(eye)
+    graph.erase_node(node)
+    return True
+
+
+def keep_mask_preparation_in_thunder(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that ``torch.diff``, ``Tensor.new_ones`` and
+    ``torch.eye``, which Thunder runs only through its torch fallback or not at all, become ops
+    Thunder has, with the same values; the count rewritten. transformers' mask preparation calls the
+    first two; ThunderCompiler's splitter would hand them to inductor, and the graph would split
+    between the ops that make the causal mask and the attention that reads it, where the
+    ``causal_mask`` pass can no longer see how the mask was made."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if (node.op, node.target) in (("call_function", torch.diff), ("call_method", "diff")):
+            count += _diff_as_slices(gm.graph, node)
+        elif (node.op, node.target) == ("call_method", "new_ones"):
+            count += _new_ones_as_ones(node)
+        elif (node.op, node.target) == ("call_function", torch.eye):
+            count += _eye_as_comparison(gm.graph, node)
+    if count:
+        gm.recompile()
+    return count
+
+
+def _last_axis_span(index, size: int) -> tuple[int, int] | None:
+    """``(start, stop)`` where ``index`` is ``(..., slice(start, stop))`` with step 1."""
+    if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)):
+        return None
+    start, stop, step = index[1].indices(size)
+    return (start, stop) if step == 1 and start < stop else None
+
+
+def _fill_as_cat(graph: torch.fx.Graph, empty: torch.fx.Node) -> bool:
+    """``empty`` (``new_empty`` or ``torch.empty``) filled by ``copy_`` into slices that tile its last
+    axis before any other use, as the ``torch.cat`` of the sources, each broadcast to its slice's
+    shape and cast to ``empty``'s dtype (as ``copy_`` does); False where it is another form."""
+    value = empty.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.ndim == 0 or not all(isinstance(s, int) for s in value.shape):
+        return False
+    fills, others = [], []
+    for user in empty.users:
+        span = _last_axis_span(user.args[1], value.shape[-1]) if user.target is operator.getitem else None
+        copies = list(user.users)
+        if span is None or len(copies) != 1 or copies[0].target != "copy_" or copies[0].args[0] is not user:
+            others.append(user)
+            continue
+        (copy,) = copies
+        if copy.users or copy.kwargs or len(copy.args) != 2 or not isinstance(copy.args[1], torch.fx.Node):
+            return False
+        fills.append((span, user, copy))
+    fills.sort(key=lambda f: f[0])
+    spans = [f[0] for f in fills]
+    if not fills or spans[0][0] != 0 or spans[-1][1] != value.shape[-1] or any(
+            a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max((f[2] for f in fills), key=order.get)
+    if any(order[o] < order[last] for o in others):
+        return False
+    pieces = []
+    with graph.inserting_before(last.next):  # in order (inserting_after(last) would reverse them)
+        for (start, stop), _, copy in fills:
+            source = copy.args[1]
+            piece = call_with_example_value(graph, torch.Tensor.expand, (source, *value.shape[:-1], stop - start))
+            if source.meta["example_value"].dtype != value.dtype:
+                piece = call_with_example_value(graph, torch.Tensor.to, (piece, value.dtype))
+            pieces.append(piece)
+        joined = call_with_example_value(graph, torch.cat, (pieces,), {"dim": -1})
+    for o in others:
+        o.replace_input_with(empty, joined)
+    for _, view, copy in fills:
+        graph.erase_node(copy)
+        graph.erase_node(view)
+    graph.erase_node(empty)
+    return True
+
+
+def fill_of_slices_as_cat(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that an empty tensor filled by ``copy_`` into
+    slices that tile its last axis is the ``torch.cat`` of what is copied (``_fill_as_cat``), the
+    same values with no in-place op; the count rewritten. DeepSeek's multi-head latent attention (and
+    MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash, Youtu) fills its keys so; Thunder 0.2.6's
+    ``insert_alias_updates`` fails on it where the region's inputs view one storage at different
+    sizes, as that attention's split of keys and values does."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if (node.op, node.target) in (("call_method", "new_empty"), ("call_function", torch.empty)):
+            count += _fill_as_cat(gm.graph, node)
+    if count:
+        gm.recompile()
+    return count
+
+
+# In-place ops and their out-of-place forms, where the two give the same values (the in-place result
+# cast to the mutated tensor's dtype). Random fills and copies are not here: they have no such form.
+_OUT_OF_PLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+    operator.ipow: operator.pow, operator.iand: operator.and_, operator.ior: operator.or_,
+    operator.ixor: operator.xor,
+}
+_OUT_OF_PLACE_METHODS = {
+    f"{name}_": name for name in (
+        "add", "sub", "mul", "div", "true_divide", "pow", "neg", "abs", "exp", "log", "sqrt", "rsqrt",
+        "sigmoid", "tanh", "relu", "clamp", "clamp_min", "clamp_max", "masked_fill", "index_add",
+        "scatter", "scatter_add", "addcmul", "addcdiv", "lerp", "float_power")
+}
+
+
+def _mutated(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor node that ``node`` changes in place, where it is one of the ops above."""
+    if (node.op == "call_function" and node.target in _OUT_OF_PLACE_OPERATORS) or (
+            node.op == "call_method" and node.target in _OUT_OF_PLACE_METHODS):
+        target = node.args[0] if node.args else None
+        if isinstance(target, torch.fx.Node) and isinstance(target.meta.get("example_value"), torch.Tensor):
+            return target
+    return None
+
+
+def _storage(node: torch.fx.Node) -> int | None:
+    value = node.meta.get("example_value")
+    return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
+
+
+def in_place_as_out_of_place(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that an in-place op on a tensor that the graph
+    makes, and that no other tensor aliases, is its out-of-place form, later uses reading the
+    result; the count rewritten. Thunder 0.2.6 turns ``x /= s`` into ``copy_(x / s, x)`` but saves
+    ``x`` for the backward, which then reads the new value where it needs the old one: the MoE
+    routers' ``weights /= weights.sum(-1, keepdim=True)`` (Mixtral, Qwen3-MoE, GLM-4-MoE, ...) gave
+    their router weights a wrong gradient, under plain ThunderCompiler too. A tensor viewed before it
+    is changed, or one of the graph's inputs, is left alone: the change must reach the other names."""
+    groups: dict[int, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        storage = _storage(node)
+        if storage is not None:
+            groups.setdefault(storage, []).append(node)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    count = 0
+    for root, *others in groups.values():
+        changes = _changes_alone(root, others)
+        for change in changes:
+            _as_out_of_place(gm.graph, change, order)
+        count += len(changes)
+    if count:
+        gm.recompile()
+    return count
+
+
+def _changes_alone(root: torch.fx.Node, others: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The in-place changes of ``root``'s tensor among ``others`` (the nodes after ``root`` that share
+    its storage, in graph order), where they come first and any other alias is made after the last
+    of them, so that it reads the final value; none otherwise, and none for a tensor the graph does
+    not make (an input)."""
+    if root.op not in ("call_function", "call_method"):
+        return []
+    chain = [root]
+    for node in others:
+        if _mutated(node) not in chain:
+            break
+        chain.append(node)
+    changes = chain[1:]
+    return changes if all(_mutated(n) is None for n in others[len(changes):]) else []
+
+
+def _as_out_of_place(graph: torch.fx.Graph, change: torch.fx.Node, order: dict) -> None:
+    """``change``, which alters ``x`` in place, as its out-of-place form; the uses of ``x`` after it, and
+    its own, read the new tensor."""
+    x = change.args[0]
+    dtype = x.meta["example_value"].dtype
+    function = _OUT_OF_PLACE_OPERATORS.get(change.target) or getattr(torch.Tensor, _OUT_OF_PLACE_METHODS.get(change.target, ""))
+    with graph.inserting_before(change):
+        result = call_with_example_value(graph, function, change.args, change.kwargs)
+        if result.meta["example_value"].dtype != dtype:
+            result = call_with_example_value(graph, torch.Tensor.to, (result, dtype))
+    for use in [u for u in x.users if order.get(u, -1) > order[change]]:
+        use.replace_input_with(x, result)
+    change.replace_all_uses_with(result)
+    graph.erase_node(change)
