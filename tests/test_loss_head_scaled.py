@@ -157,8 +157,10 @@ def test_every_matmul_shape_the_head_chooses_is_a_multiple_of_128(vocab, tokens)
 def test_a_vocabulary_of_odd_width_is_one_matmul_of_whole_16_bytes_and_one_of_the_rest(vocab, monkeypatch):
     """Where the classes are not a whole number of 16 bytes (Granite's 49155), the head's logits come
     from two matmuls, the classes up to the last whole 16 bytes and the few left (on CUDA, where one
-    matmul of such a width runs on a slow kernel; here on CPU through the same code): the same values
-    as one matmul, bit for bit, in the head's aligned logits buffer."""
+    matmul of such a width runs on a slow kernel; here on CPU through the same code), in the head's
+    aligned logits buffer: the aligned classes bit for bit as one matmul; the few left within fp32
+    rounding, since BLAS may run a matmul that narrow on another kernel (MKL on an AVX2 CPU sums
+    their 32 products in another order: 3.3e-6 apart at most here)."""
     import thunder_memopt.executors.chunked_cross_entropy as head
 
     assert aligned_classes(vocab, 2) == vocab // 8 * 8 and aligned_classes(vocab, 4) == vocab // 4 * 4
@@ -174,4 +176,6 @@ def test_a_vocabulary_of_odd_width_is_one_matmul_of_whole_16_bytes_and_one_of_th
         got = head._linear(hidden, weight, b)
         monkeypatch.undo()
         assert calls == [(32, vocab // 4 * 4), (32, vocab % 4)]
-        assert torch.equal(got, expected)
+        aligned = vocab // 4 * 4
+        assert torch.equal(got[:, :aligned], expected[:, :aligned])
+        torch.testing.assert_close(got[:, aligned:], expected[:, aligned:], rtol=1.3e-6, atol=1e-5)

@@ -108,17 +108,19 @@ def test_the_ladder_ends_at_per_block_checkpointing():
 
 
 def _block_step(memopt: MemoryOptimization):
-    """One narrowed Llama Block, jitted on its own as each Block is a program of its own under FSDP2."""
+    """One Llama Block at its real width, jitted on its own as each Block is a program of its own under
+    FSDP2; in fp32, since a CPU without bf16 instructions (AVX2 only) runs bf16 matmuls hundreds of
+    times slower."""
     from litgpt.model import Block
 
     from thunder_memopt.models import narrow_config
 
     torch.manual_seed(0)
     config = narrow_config(LLAMA, n_layer=1, block_size=256)
-    block = Block(config, block_idx=0).to(torch.bfloat16)
+    block = Block(config, block_idx=0)
     jitted = thunder.jit(block, transforms=[memopt])
-    x = torch.randn(1, 256, config.n_embd, dtype=torch.bfloat16, requires_grad=True)
-    cos = torch.randn(1, 256, config.rope_n_elem, dtype=torch.bfloat16)
+    x = torch.randn(1, 256, config.n_embd, requires_grad=True)
+    cos = torch.randn(1, 256, config.rope_n_elem)
     jitted(x, cos, cos.clone()).float().square().mean().backward()
     return thunder.last_traces(jitted)[-1], x.grad, [p.grad for p in block.parameters()]
 
