@@ -130,6 +130,12 @@ def _real_and_imaginary(graph: torch.fx.Graph, z: torch.fx.Node) -> tuple[torch.
     return tuple(call_with_example_value(graph, operator.getitem, (pairs, (Ellipsis, i))) for i in (0, 1))
 
 
+def _combined(graph: torch.fx.Graph, op, first: tuple, second: tuple) -> torch.fx.Node:
+    """A node of ``op(first[0] * first[1], second[0] * second[1])``."""
+    products = [call_with_example_value(graph, operator.mul, pair) for pair in (first, second)]
+    return call_with_example_value(graph, op, tuple(products))
+
+
 def complex_products_as_real(gm: torch.fx.GraphModule) -> int:
     """Rewrite a dynamo ``GraphModule`` in place so that ``view_as_real(x * y)``, with ``x`` and ``y``
     complex, is ``stack([a c - b d, a d + b c], -1)`` of their real and imaginary parts: the rotary
@@ -144,9 +150,8 @@ def complex_products_as_real(gm: torch.fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_before(node):
             (a, b), (c, d) = (_real_and_imaginary(gm.graph, z) for z in node.args)
-            product = lambda u, v: call_with_example_value(gm.graph, operator.mul, (u, v))
-            real = call_with_example_value(gm.graph, operator.sub, (product(a, c), product(b, d)))
-            imaginary = call_with_example_value(gm.graph, operator.add, (product(a, d), product(b, c)))
+            real = _combined(gm.graph, operator.sub, (a, c), (b, d))
+            imaginary = _combined(gm.graph, operator.add, (a, d), (b, c))
             pairs = call_with_example_value(gm.graph, torch.stack, ((real, imaginary),), {"dim": -1})
         for view in list(node.users):
             view.replace_all_uses_with(pairs)
@@ -407,7 +412,10 @@ def _as_out_of_place(graph: torch.fx.Graph, change: torch.fx.Node, order: dict) 
     its own, read the new tensor."""
     x = change.args[0]
     dtype = x.meta["example_value"].dtype
-    function = _OUT_OF_PLACE_OPERATORS.get(change.target) or getattr(torch.Tensor, _OUT_OF_PLACE_METHODS.get(change.target, ""))
+    if change.op == "call_function":
+        function = _OUT_OF_PLACE_OPERATORS[change.target]
+    else:
+        function = getattr(torch.Tensor, _OUT_OF_PLACE_METHODS[change.target])
     with graph.inserting_before(change):
         result = call_with_example_value(graph, function, change.args, change.kwargs)
         if result.meta["example_value"].dtype != dtype:
