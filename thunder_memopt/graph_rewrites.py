@@ -4,8 +4,10 @@ Each rewrite works around one thing Thunder 0.2.6 does not do, with the same val
 - collectives and torch 2.11's ``autograd_function_apply`` run outside Thunder, in inductor;
 - ``addmm``, ``torch.diff``, ``new_ones`` and ``eye`` become ops Thunder has, so the graph does not split;
 - an empty tensor filled through slices becomes a ``torch.cat``;
-- an in-place op on a tensor nothing else aliases becomes its out-of-place form;
-- a product of complex tensors, which Thunder differentiates wrong, gets a warning.
+- an in-place op on a tensor the graph makes, viewed by nothing before the change, becomes its
+  out-of-place form;
+- a product of complex tensors, which Thunder differentiates wrong, is computed in real ops where it
+  is read through ``view_as_real``, and warned of elsewhere.
 Each function's docstring says what fails without it.
 """
 
@@ -368,10 +370,10 @@ def _storage(node: torch.fx.Node) -> int | None:
 
 def in_place_as_out_of_place(gm: torch.fx.GraphModule) -> int:
     """Rewrite a dynamo ``GraphModule`` in place so that an in-place op on a tensor that the graph
-    makes, and that no other tensor aliases, is its out-of-place form, later uses reading the
-    result; the count rewritten. Thunder 0.2.6 turns ``x /= s`` into ``copy_(x / s, x)`` but saves
-    ``x`` for the backward, which then reads the new value where it needs the old one: the MoE
-    routers' ``weights /= weights.sum(-1, keepdim=True)`` (Mixtral, Qwen3-MoE, GLM-4-MoE, ...) gave
+    makes is its out-of-place form, later uses reading the result (``_changes_alone`` says where);
+    the count rewritten. Thunder 0.2.6 turns ``x /= s`` into ``copy_(x / s, x)`` but saves ``x`` for
+    the backward, which then reads the new value where it needs the old one: the MoE
+    routers' ``weights /= weights.sum(-1, keepdim=True)`` (Mixtral, GLM-4-MoE, HunYuan-MoE, ...) gave
     their router weights a wrong gradient, under plain ThunderCompiler too. A tensor viewed before it
     is changed, or one of the graph's inputs, is left alone: the change must reach the other names."""
     groups: dict[int, list[torch.fx.Node]] = {}
