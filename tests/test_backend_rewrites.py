@@ -16,6 +16,10 @@
   (``in_place_as_out_of_place``): Mixtral's router normalizes its top-k weights in place, and plain
   ThunderCompiler gives the router another gradient than eager's. A tensor viewed before it is
   changed, or an input, is left alone.
+- Gemma-3n's AltUp: ``torch.multiply`` (an alias Thunder lacks) as ``torch.mul``, an in-place add
+  through a permuted view as its out-of-place form, ``x[1:] += y`` as a ``torch.cat``
+  (``slice_updates_as_cat``) and ``weight.data.clamp_`` outside Thunder, where plain ThunderCompiler
+  fails.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from thunder.dynamo import ThunderCompiler
 
 from thunder_memopt import thunderfx_backend
-from thunder_memopt.graph_rewrites import fill_of_slices_as_cat, in_place_as_out_of_place
+from thunder_memopt.graph_rewrites import fill_of_slices_as_cat, in_place_as_out_of_place, slice_updates_as_cat
 
 NOPE, ROPE, VALUE = 8, 4, 6
 
@@ -212,3 +216,110 @@ def test_only_an_in_place_op_on_an_unaliased_tensor_of_the_graph_is_rewritten():
                       rewrite=in_place_as_out_of_place) == [1]
     assert _rewritten(_viewed_then_changed, torch.randn(3, 4), rewrite=in_place_as_out_of_place) == [0]
     assert _rewritten(_input_changed, torch.randn(3, 4), rewrite=in_place_as_out_of_place) == [0]
+
+
+def _permuted_then_changed(x):
+    """Gemma-3n's ``predict`` (transformers 5.17): an in-place add through a permuted view."""
+    y = (x * 2).permute(1, 0)
+    y += 1
+    return y.contiguous()
+
+
+def _base_read_after_its_view_changed(x):
+    base = x * 2
+    y = base.permute(1, 0)
+    y += 1
+    return base + 1
+
+
+def test_a_single_change_through_a_view_is_rewritten_where_nothing_reads_the_base_after_it():
+    x = torch.randn(3, 4)
+    assert _rewritten(_permuted_then_changed, x, rewrite=in_place_as_out_of_place) == [1]
+    assert _rewritten(_base_read_after_its_view_changed, x, rewrite=in_place_as_out_of_place) == [0]
+
+
+def _slice_updates(x, y):
+    """One span of one axis updated in place: by an in-place op on the slice, a tensor, numbers."""
+    z = x * 2
+    first = z[0].clone()
+    z[1:] += first * y
+    total = z.sum(0)
+    z[:, 1] = 7.0
+    counts = (x > 0).long()
+    counts[..., -1] = 7.6  # cast to the tensor's dtype, as setitem casts
+    return z + 1, total, counts
+
+
+def _slice_read_after_the_update(x, y):
+    z = x * 2
+    row = z[0]
+    z[1:] += y
+    return z + 1, row * 1
+
+
+def _input_slice_updated(x, y):
+    x[1:] += y
+    return x * 1
+
+
+def _strided_slice_updated(x, y):
+    z = x * 2
+    z[::2] = 0.0
+    return z
+
+
+def test_only_an_update_of_one_span_of_a_tensor_of_the_graph_is_rewritten():
+    x, y = torch.randn(3, 4, 5), torch.randn(4, 5)
+    assert _rewritten(_slice_updates, x, y, rewrite=slice_updates_as_cat) == [3]
+    assert _rewritten(_slice_read_after_the_update, x, y, rewrite=slice_updates_as_cat) == [0]
+    assert _rewritten(_input_slice_updated, x, y, rewrite=slice_updates_as_cat) == [0]
+    assert _rewritten(_strided_slice_updated, x, y, rewrite=slice_updates_as_cat) == [0]
+
+
+class _AltUp(torch.nn.Module):
+    """Gemma-3n's AltUp around one layer (transformers 5.17), reduced: the clipped coefficients, the
+    permuted predictions changed in place, a per-layer input read through ``torch.multiply`` beside
+    all of them, and the correction added to a slice in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.coefs = torch.nn.Parameter(torch.randn(3, 8, generator=g))
+        self.gate = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+
+    def forward(self, hidden, per_layer_inputs):
+        self.coefs.data.clamp_(-0.5, 0.5)
+        predictions = (hidden @ self.gate).unsqueeze(-1).expand(-1, -1, -1, 3) * self.coefs.sum(-1)
+        predictions = predictions.permute(3, 0, 1, 2)
+        predictions += hidden
+        first = torch.multiply(torch.tanh(predictions[0].clone()), per_layer_inputs[:, :, 0, :])
+        predictions[1:] += first
+        return predictions * per_layer_inputs.sum(2)
+
+
+def _altup_step(backend) -> list[torch.Tensor]:
+    torch._dynamo.reset()
+    module = _AltUp()
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    per_layer_inputs = torch.randn(2, 5, 2, 8, generator=g, requires_grad=True)
+    f = module if backend is None else torch.compile(module, backend=backend)
+    out = f(hidden, per_layer_inputs)
+    (out * torch.arange(8.0)).sum().backward()
+    return [out.detach(), module.coefs.detach(), hidden.grad, per_layer_inputs.grad, module.gate.grad, module.coefs.grad]
+
+
+def test_gemma3n_altup_trains_as_eager_in_one_region_where_plain_thunder_fails():
+    """Values and the clipped weights bit for bit; gradients within fp32 rounding of eager's (the
+    concatenation's backward sums in another order than the in-place add's)."""
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        _altup_step(ThunderCompiler())
+    backend = thunderfx_backend(fusion=False)
+    got, expected = _altup_step(backend), _altup_step(None)
+    for a, b in zip(got[:2], expected[:2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(got[2:], expected[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+    # The clip runs outside Thunder; everything else in one region.
+    assert [len(info.thunder_compiled_fns) for info in backend.compiler.subgraph_infos] == [1]
+

@@ -1,11 +1,13 @@
 """The backend's rewrites of a dynamo graph before ThunderCompiler splits it (``rewrite_for_thunder``).
 
 Each rewrite works around one thing Thunder 0.2.6 does not do, with the same values:
-- collectives and torch 2.11's ``autograd_function_apply`` run outside Thunder, in inductor;
-- ``addmm``, ``torch.diff``, ``new_ones`` and ``eye`` become ops Thunder has, so the graph does not split;
+- collectives, torch 2.11's ``autograd_function_apply`` and in-place changes of ``.data`` run outside
+  Thunder, in inductor;
+- ``addmm``, ``torch.diff``, ``new_ones``, ``eye`` and torch's aliases (``torch.multiply``) become ops
+  Thunder has, so the graph does not split;
 - an empty tensor filled through slices becomes a ``torch.cat``;
 - an in-place op on a tensor the graph makes, viewed by nothing before the change, becomes its
-  out-of-place form;
+  out-of-place form, and an update of a slice of one (``x[1:] += y``) a ``torch.cat``;
 - a product of complex tensors, which Thunder differentiates wrong, is computed in real ops where it
   is read through ``view_as_real``, and warned of elsewhere.
 Each function's docstring says what fails without it.
@@ -25,8 +27,9 @@ from thunder_memopt.causal_inputs import call_with_example_value
 
 __all__ = [
     "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder",
-    "keep_addmm_in_thunder", "keep_mask_preparation_in_thunder", "fill_of_slices_as_cat",
-    "in_place_as_out_of_place", "complex_products_as_real", "warn_on_complex_products",
+    "keep_data_changes_out_of_thunder",
+    "keep_addmm_in_thunder", "aliases_as_their_ops", "keep_mask_preparation_in_thunder", "fill_of_slices_as_cat",
+    "slice_updates_as_cat", "in_place_as_out_of_place", "complex_products_as_real", "warn_on_complex_products",
 ]
 
 def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
@@ -41,11 +44,14 @@ def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
     rewrites are for (tests/test_transformers.py)."""
     keep_collectives_out_of_thunder(gm)
     keep_autograd_functions_out_of_thunder(gm)
+    keep_data_changes_out_of_thunder(gm)
     complex_products_as_real(gm)
     warn_on_complex_products(gm)
     keep_addmm_in_thunder(gm)
+    aliases_as_their_ops(gm)
     keep_mask_preparation_in_thunder(gm)
     fill_of_slices_as_cat(gm)
+    slice_updates_as_cat(gm)
     in_place_as_out_of_place(gm)
 
 
@@ -63,21 +69,24 @@ def _is_collective_target(target) -> bool:
 
 
 def _run_outside_thunder(target):
-    """A callable Thunder has no mapping for, so its splitter sends the node to inductor."""
+    """A callable Thunder has no mapping for, so its splitter sends the node to inductor; ``target`` is a
+    function, or a method's name (the tensor its first argument)."""
 
     def collective(*args, **kwargs):
+        if isinstance(target, str):
+            return getattr(args[0], target)(*args[1:], **kwargs)
         return target(*args, **kwargs)
 
-    name = f"thunder_memopt_outside_thunder_{getattr(target, '__name__', 'op')}"
+    name = f"thunder_memopt_outside_thunder_{target if isinstance(target, str) else getattr(target, '__name__', 'op')}"
     collective.__name__ = collective.__qualname__ = name  # what ThunderCompiler's split reasons show
     return collective
 
 
 def _send_outside_thunder(gm: torch.fx.GraphModule, matches: Callable[[torch.fx.Node], bool]) -> int:
     """Rewrite ``gm`` in place so that each call ``matches`` picks runs outside Thunder; the count."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and matches(n)]
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and matches(n)]
     for n in nodes:
-        n.target = _run_outside_thunder(n.target)
+        n.op, n.target = "call_function", _run_outside_thunder(n.target)
     if nodes:
         gm.recompile()
     return len(nodes)
@@ -97,6 +106,24 @@ def keep_autograd_functions_out_of_thunder(gm: torch.fx.GraphModule) -> int:
     ``saved_for_backward_idx``, where Thunder's lookaside reads ``args_tensor_mask`` (KeyError)."""
     return _send_outside_thunder(gm, lambda n: n.target is torch.ops.higher_order.autograd_function_apply
                                  and "args_tensor_mask" not in n.kwargs)
+
+
+def _changes_data(node: torch.fx.Node) -> bool:
+    """Whether ``node`` changes a tensor's ``.data`` in place (``x.data.clamp_(...)``)."""
+    target = node.args[0] if node.args else None
+    if not (isinstance(target, torch.fx.Node) and target.target is torch._C._autograd._get_data_attr):
+        return False
+    return _mutated(node) is not None or (node.op == "call_method" and node.target.endswith("_")
+                                          and not node.target.startswith("_"))
+
+
+def keep_data_changes_out_of_thunder(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that an in-place change of a tensor's ``.data`` runs
+    outside Thunder; the count. ``.data`` itself runs outside (Thunder has no ``_get_data_attr``), and
+    the change, in a Thunder region, made that region's inputs alias updates, which Thunder 0.2.6
+    failed on where two inputs view one storage at different sizes (Gemma-3n's
+    ``self.correction_coefs.weight.data.clamp_(...)`` beside its per-layer inputs and a view of them)."""
+    return _send_outside_thunder(gm, _changes_data)
 
 
 def _complex(value: object) -> bool:
@@ -185,6 +212,37 @@ def keep_addmm_in_thunder(gm: torch.fx.GraphModule) -> int:
         with gm.graph.inserting_before(node):
             transposed = call_with_example_value(gm.graph, torch.t, (w,))
         node.target, node.args = torch.nn.functional.linear, (x, transposed, bias)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+# torch's aliases that Thunder 0.2.6 has no symbol for, and the ops they stand for, with the same
+# parameters (torch documents each as an alias).
+_ALIASES = {
+    "multiply": "mul", "subtract": "sub", "divide": "div", "negative": "neg", "absolute": "abs", "clip": "clamp",
+    "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne", "fix": "trunc",
+    "arccos": "acos", "arcsin": "asin", "arctan": "atan", "arctan2": "atan2", "moveaxis": "movedim",
+}
+_ALIAS_FUNCTIONS = {getattr(module, alias): getattr(module, op) for alias, op in _ALIASES.items()
+                    for module in (torch, torch.Tensor)}
+
+
+def aliases_as_their_ops(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that each call of one of torch's aliases
+    (``torch.multiply``, ``x.clip``, ...) calls the op it stands for; the count rewritten. Thunder
+    runs the aliases only through its torch fallback, and its splitter sends them to inductor:
+    Gemma-3n's ``torch.multiply`` split each layer, and the in-place add after it then changed a
+    region's input, which Thunder's ``copy_`` refuses."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _ALIAS_FUNCTIONS:
+            node.target = _ALIAS_FUNCTIONS[node.target]
+        elif node.op == "call_method" and node.target in _ALIASES:
+            node.target = _ALIASES[node.target]
+        else:
+            continue
         count += 1
     if count:
         gm.recompile()
@@ -384,7 +442,7 @@ def in_place_as_out_of_place(gm: torch.fx.GraphModule) -> int:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     count = 0
     for root, *others in groups.values():
-        changes = _changes_alone(root, others)
+        changes = _changes_alone(root, others, order)
         for change in changes:
             _as_out_of_place(gm.graph, change, order)
         count += len(changes)
@@ -393,11 +451,13 @@ def in_place_as_out_of_place(gm: torch.fx.GraphModule) -> int:
     return count
 
 
-def _changes_alone(root: torch.fx.Node, others: list[torch.fx.Node]) -> list[torch.fx.Node]:
+def _changes_alone(root: torch.fx.Node, others: list[torch.fx.Node], order: dict) -> list[torch.fx.Node]:
     """The in-place changes of ``root``'s tensor among ``others`` (the nodes after ``root`` that share
-    its storage, in graph order), where they come first and any other alias is made after the last
-    of them, so that it reads the final value; none otherwise, and none for a tensor the graph does
-    not make (an input)."""
+    its storage, in graph order) that can be out of place: those that come first, where any other
+    alias is made after the last of them, so that it reads the final value; or a single change, of
+    ``root`` or a view of it, where no other alias made before it is read after it (Gemma-3n's
+    ``predictions = predictions.permute(3, 0, 1, 2); predictions += hidden_states``). None
+    otherwise, and none for a tensor the graph does not make (an input)."""
     if root.op not in ("call_function", "call_method"):
         return []
     chain = [root]
@@ -406,14 +466,19 @@ def _changes_alone(root: torch.fx.Node, others: list[torch.fx.Node]) -> list[tor
             break
         chain.append(node)
     changes = chain[1:]
-    return changes if all(_mutated(n) is None for n in others[len(changes):]) else []
+    if all(_mutated(n) is None for n in others[len(changes):]):
+        return changes
+    (change, *more) = [n for n in others if _mutated(n) is not None]
+    changed = _mutated(change)
+    read_after = any(order[u] > order[change] for n in (root, *others) if order[n] < order[change]
+                     and n is not changed for u in n.users)
+    return [] if more or read_after else [change]
 
 
-def _as_out_of_place(graph: torch.fx.Graph, change: torch.fx.Node, order: dict) -> None:
-    """``change``, which alters ``x`` in place, as its out-of-place form; the uses of ``x`` after it, and
-    its own, read the new tensor."""
-    x = change.args[0]
-    dtype = x.meta["example_value"].dtype
+def _out_of_place_form(graph: torch.fx.Graph, change: torch.fx.Node) -> torch.fx.Node:
+    """A node, inserted before ``change`` (an in-place op on ``x``), of its out-of-place form in ``x``'s
+    dtype."""
+    dtype = change.args[0].meta["example_value"].dtype
     if change.op == "call_function":
         function = _OUT_OF_PLACE_OPERATORS[change.target]
     else:
@@ -422,7 +487,102 @@ def _as_out_of_place(graph: torch.fx.Graph, change: torch.fx.Node, order: dict) 
         result = call_with_example_value(graph, function, change.args, change.kwargs)
         if result.meta["example_value"].dtype != dtype:
             result = call_with_example_value(graph, torch.Tensor.to, (result, dtype))
+    return result
+
+
+def _as_out_of_place(graph: torch.fx.Graph, change: torch.fx.Node, order: dict) -> None:
+    """``change``, which alters ``x`` in place, as its out-of-place form; the uses of ``x`` after it, and
+    its own, read the new tensor."""
+    x = change.args[0]
+    result = _out_of_place_form(graph, change)
     for use in [u for u in x.users if order.get(u, -1) > order[change]]:
         use.replace_input_with(x, result)
     change.replace_all_uses_with(result)
     graph.erase_node(change)
+
+
+def _one_axis_span(index, shape: torch.Size) -> tuple[int, int, int, bool] | None:
+    """``(dim, start, stop, keeps_dim)`` where ``index`` picks one span of one axis (a slice of step 1,
+    or an int, which drops the axis) and all of the others, as ``x[1:]`` or ``x[:, 3]`` do."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if sum(e is Ellipsis for e in entries) > 1:
+        return None
+    picks = [(i, e) for i, e in enumerate(entries) if e is not Ellipsis and e != slice(None)]
+    if len(picks) != 1 or not all(e is Ellipsis or isinstance(e, (slice, int)) for e in entries):
+        return None
+    (position, pick), ellipsis = picks[0], entries.index(Ellipsis) if Ellipsis in entries else len(entries)
+    dim = position if position < ellipsis else len(shape) - (len(entries) - position)
+    if not 0 <= dim < len(shape) or isinstance(pick, bool):
+        return None
+    if isinstance(pick, int):
+        start = pick % shape[dim] if -shape[dim] <= pick < shape[dim] else None
+        return None if start is None else (dim, start, start + 1, False)
+    start, stop, step = pick.indices(shape[dim])
+    return (dim, start, stop, True) if step == 1 and start < stop else None
+
+
+def _slice_update_as_cat(graph: torch.fx.Graph, update: torch.fx.Node, order: dict) -> bool:
+    """``update`` (``x[index] = value``, or ``x[index] op= y``: a view, its in-place op, the setitem) as
+    ``x = cat(before, value, after)`` along the updated axis, later uses reading the new ``x``; False
+    where ``x`` is not made by the graph, or another alias of it is read after the update or changed."""
+    x, index, value = update.args
+    example = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+    if not (isinstance(example, torch.Tensor) and isinstance(value, (torch.fx.Node, int, float, bool))
+            and not update.kwargs and all(isinstance(s, int) for s in example.shape)):
+        return False
+    span = _one_axis_span(index, example.shape)
+    storage = _storage(x)
+    aliases = [n for n in graph.nodes if n is not x and _storage(n) == storage]
+    view = value.args[0] if isinstance(value, torch.fx.Node) and _mutated(value) is not None else None
+    made = [n for n in (x, *aliases) if n.op in ("call_function", "call_method")]
+    # An alias made before the update must not be read after it; one made after is made of the new x.
+    if span is None or len(made) != 1 + len(aliases) or any(
+            n is not value and n is not view and (any(order[u] > order[update] for u in n.users)
+                                                  if order[n] < order[update] else _mutated(n) is not None)
+            for n in aliases):
+        return False
+    if view is not None and not (view.target is operator.getitem and view.args == (x, index)
+                                 and list(view.users) == [value] and list(value.users) == [update]):
+        return False
+    dim, start, stop, keeps_dim = span
+    axis = (slice(None),) * dim
+    changed = value
+    # A number's fill made in the graph's fake mode, as dynamo would (it reads no node).
+    with graph.inserting_before(update), getattr(example, "fake_mode", None) or contextlib.nullcontext():
+        if view is not None:
+            value = _out_of_place_form(graph, changed)
+        shape = (*example.shape[:dim], *([stop - start] if keeps_dim else []), *example.shape[dim + 1:])
+        if isinstance(value, torch.fx.Node):
+            piece = call_with_example_value(graph, torch.Tensor.expand, (value, *shape))
+        else:
+            piece = call_with_example_value(graph, torch.full, (shape, value),
+                                            {"dtype": example.dtype, "device": example.device})
+        if not keeps_dim:
+            piece = call_with_example_value(graph, torch.unsqueeze, (piece, dim))
+        if piece.meta["example_value"].dtype != example.dtype:
+            piece = call_with_example_value(graph, torch.Tensor.to, (piece, example.dtype))
+        pieces = [call_with_example_value(graph, operator.getitem, (x, (*axis, slice(a, b))))
+                  for a, b in ((0, start), (stop, example.shape[dim])) if a < b]
+        pieces.insert(1 if start > 0 else 0, piece)
+        joined = call_with_example_value(graph, torch.cat, (pieces,), {"dim": dim})
+    for use in [u for u in x.users if order.get(u, -1) > order[update]]:
+        use.replace_input_with(x, joined)
+    graph.erase_node(update)
+    if view is not None:
+        graph.erase_node(changed)  # its out-of-place form reads the view
+    return True
+
+
+def slice_updates_as_cat(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that an update of one span of one axis of a tensor
+    the graph makes (``x[1:] += y``, ``x[:, 0] = y``) is the ``torch.cat`` of the parts it keeps and
+    the new values (``_slice_update_as_cat``); the count rewritten. Gemma-3n's AltUp adds to a slice
+    of its predictions in place: where the tensor reached a Thunder region as an input beside a view
+    of another input of other size, Thunder 0.2.6's ``insert_alias_updates`` failed (a reshape)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3:
+            count += _slice_update_as_cat(gm.graph, node, {n: i for i, n in enumerate(gm.graph.nodes)})
+    if count:
+        gm.recompile()
+    return count
