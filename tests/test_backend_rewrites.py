@@ -20,6 +20,9 @@
   through a permuted view as its out-of-place form, ``x[1:] += y`` as a ``torch.cat``
   (``slice_updates_as_cat``) and ``weight.data.clamp_`` outside Thunder, where plain ThunderCompiler
   fails.
+- A 0-d tensor that needs a gradient, broadcast by an elementwise op (DiffLlama's ``lambda_full``),
+  broadcast from ones (``zero_dim_operands_reshaped``): plain ThunderCompiler fails in the backward,
+  or gives a wrong gradient.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from thunder.dynamo import ThunderCompiler
 
 from thunder_memopt import thunderfx_backend
-from thunder_memopt.graph_rewrites import fill_of_slices_as_cat, in_place_as_out_of_place, slice_updates_as_cat
+from thunder_memopt.in_place_rewrites import fill_of_slices_as_cat, in_place_as_out_of_place, slice_updates_as_cat
 
 NOPE, ROPE, VALUE = 8, 4, 6
 
@@ -322,4 +325,33 @@ def test_gemma3n_altup_trains_as_eager_in_one_region_where_plain_thunder_fails()
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
     # The clip runs outside Thunder; everything else in one region.
     assert [len(info.thunder_compiled_fns) for info in backend.compiler.subgraph_infos] == [1]
+
+
+def _differential_attention(q, k, x):
+    """DiffLlama's ``lambda_full * attn_output2`` (transformers 5.17), reduced."""
+    weight = torch.exp(torch.sum(q * k, dim=-1, dtype=torch.float32)).to(x.dtype) - 0.8
+    return (2 * x - weight * x).sum()
+
+
+def _reduction_times_its_input(q, k, x):
+    return (q.sum() * q).sum() + (k * x).sum()
+
+
+@pytest.mark.parametrize("f", [_differential_attention, _reduction_times_its_input])
+def test_a_broadcast_0d_tensor_gets_eagers_gradient_where_plain_thunder_does_not(f):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(16, generator=g, requires_grad=True) for _ in range(2))
+    x = torch.randn(2, 8, 16, generator=g, requires_grad=True)
+    eager = torch.autograd.grad(f(q, k, x), (q, k, x))
+    torch._dynamo.reset()
+    try:
+        thunder_grads = torch.autograd.grad(torch.compile(f, backend=ThunderCompiler())(q, k, x), (q, k, x))
+    except RuntimeError as e:
+        assert "expand" in str(e)
+    else:
+        assert not all(torch.equal(a, b) for a, b in zip(thunder_grads, eager))
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, backend=thunderfx_backend(fusion=False))(q, k, x), (q, k, x))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -172,7 +172,7 @@ KNOWN = {
     "dbrx": "plain ThunderCompiler() crashes alike: Thunder's",
     "blt": "Thunder's automatic torch fallback fails to register unfold: Thunder's",
     # MoE models whose routers normalize their top-k weights in place, which matched after
-    # graph_rewrites.in_place_as_out_of_place (2026-12-07; plain ThunderCompiler() gives the router another
+    # in_place_rewrites.in_place_as_out_of_place (2026-12-07; plain ThunderCompiler() gives the router another
     # gradient). The head: on CPU transformers' grouped_mm fallback reads its offsets with tolist() in its
     # backward, which fails under tracing; dynamo breaks the graph there, and the logits and the loss are
     # made in two graphs.
