@@ -203,8 +203,9 @@ def _one_axis_span(index, shape: torch.Size) -> tuple[int, int, int, bool] | Non
     if sum(e is Ellipsis for e in entries) > 1:
         return None
     picks = [(i, e) for i, e in enumerate(entries) if e is not Ellipsis and e != slice(None)]
-    if len(picks) != 1 or not all(e is Ellipsis or isinstance(e, (slice, int)) for e in entries):
-        return None
+    if len(picks) != 1 or not all(e is Ellipsis or isinstance(e, int) or (isinstance(e, slice) and all(
+            b is None or isinstance(b, int) for b in (e.start, e.stop, e.step))) for e in entries):
+        return None  # a tensor index, or a bound dynamo left symbolic
     (position, pick), ellipsis = picks[0], entries.index(Ellipsis) if Ellipsis in entries else len(entries)
     dim = position if position < ellipsis else len(shape) - (len(entries) - position)
     if not 0 <= dim < len(shape) or isinstance(pick, bool):
