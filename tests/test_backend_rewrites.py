@@ -20,6 +20,9 @@
   through a permuted view as its out-of-place form, ``x[1:] += y`` as a ``torch.cat``
   (``slice_updates_as_cat``) and ``weight.data.clamp_`` outside Thunder, where plain ThunderCompiler
   fails.
+- BLT's hash of byte n-grams: ``Tensor.unfold``, which plain ThunderCompiler fails on, as strided
+  slices (``unfold_as_slices``), and ``%`` of a tensor, which Thunder does not map, as
+  ``torch.remainder``; in one region, the grad mode on after the step.
 - A 0-d tensor that needs a gradient, broadcast by an elementwise op (DiffLlama's ``lambda_full``),
   broadcast from ones (``zero_dim_operands_reshaped``): plain ThunderCompiler fails in the backward,
   or gives a wrong gradient.
@@ -354,4 +357,27 @@ def test_a_broadcast_0d_tensor_gets_eagers_gradient_where_plain_thunder_does_not
     got = torch.autograd.grad(torch.compile(f, backend=thunderfx_backend(fusion=False))(q, k, x), (q, k, x))
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _byte_group_hash(tokens, table):
+    """BLT's hash of byte n-grams (transformers 5.17), reduced: ``unfold`` and ``%`` in ``torch.no_grad()``."""
+    with torch.no_grad():
+        padded = torch.cat([torch.zeros(tokens.shape[0], 2, dtype=torch.int64), tokens], dim=1)
+        hashes = (padded.unfold(1, 3, 1) * torch.tensor([1, 31, 961])).sum(-1) % table.shape[0]
+    return (table[hashes] * table[hashes].unfold(-1, 2, 2).sum(-1).repeat_interleave(2, -1)).sum()
+
+
+def test_blts_hash_runs_in_one_region_as_eager_where_plain_thunder_fails():
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    table = torch.randn(13, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unfold"):
+        torch.compile(_byte_group_hash, backend=ThunderCompiler())(tokens, table)
+    torch._dynamo.reset()
+    backend = thunderfx_backend(fusion=False)
+    got = torch.autograd.grad(torch.compile(_byte_group_hash, backend=backend)(tokens, table), table)
+    assert torch.is_grad_enabled()
+    expected = torch.autograd.grad(_byte_group_hash(tokens, table), table)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert [len(info.thunder_compiled_fns) for info in backend.compiler.subgraph_infos] == [1]
 

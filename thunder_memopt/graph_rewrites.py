@@ -3,8 +3,8 @@
 Each rewrite works around one thing Thunder 0.2.6 does not do, with the same values:
 - collectives, torch 2.11's ``autograd_function_apply`` and in-place changes of ``.data`` run outside
   Thunder, in inductor;
-- ``addmm``, ``torch.diff``, ``new_ones``, ``eye`` and torch's aliases (``torch.multiply``) become ops
-  Thunder has, so the graph does not split;
+- ``addmm``, ``torch.diff``, ``new_ones``, ``eye``, ``Tensor.unfold`` and torch's aliases
+  (``torch.multiply``) become ops Thunder has, so the graph does not split;
 - a 0-d tensor that an elementwise op broadcasts, and that needs a gradient, is broadcast from ones;
 - a product of complex tensors, which Thunder differentiates wrong, is computed in real ops where it
   is read through ``view_as_real``, and warned of elsewhere;
@@ -28,7 +28,7 @@ from thunder_memopt.in_place_rewrites import (changed_in_place, fill_of_slices_a
 
 __all__ = [
     "rewrite_for_thunder", "keep_autograd_functions_out_of_thunder", "keep_collectives_out_of_thunder",
-    "keep_data_changes_out_of_thunder",
+    "keep_data_changes_out_of_thunder", "unfold_as_slices",
     "keep_addmm_in_thunder", "aliases_as_their_ops", "keep_mask_preparation_in_thunder",
     "zero_dim_operands_reshaped", "complex_products_as_real", "warn_on_complex_products",
 ]
@@ -50,6 +50,7 @@ def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
     warn_on_complex_products(gm)
     keep_addmm_in_thunder(gm)
     aliases_as_their_ops(gm)
+    unfold_as_slices(gm)
     keep_mask_preparation_in_thunder(gm)
     fill_of_slices_as_cat(gm)
     slice_updates_as_cat(gm)
@@ -236,15 +237,54 @@ def aliases_as_their_ops(gm: torch.fx.GraphModule) -> int:
     (``torch.multiply``, ``x.clip``, ...) calls the op it stands for; the count rewritten. Thunder
     runs the aliases only through its torch fallback, and its splitter sends them to inductor:
     Gemma-3n's ``torch.multiply`` split each layer, and the in-place add after it then changed a
-    region's input, which Thunder's ``copy_`` refuses."""
+    region's input, which Thunder's ``copy_`` refuses. ``%`` of a tensor, which Thunder does not map
+    at all (its meta fails), is ``torch.remainder``, as torch defines it: BLT's n-gram hash split
+    its ``torch.no_grad()`` block, and the step's grad mode stayed off after it."""
     count = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _ALIAS_FUNCTIONS:
             node.target = _ALIAS_FUNCTIONS[node.target]
+        elif node.op == "call_function" and node.target is operator.mod and any(
+                isinstance(a.meta.get("example_value"), torch.Tensor) for a in node.all_input_nodes):
+            node.target = torch.remainder
         elif node.op == "call_method" and node.target in _ALIASES:
             node.target = _ALIASES[node.target]
         else:
             continue
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+# The widest window written as slices; a wider one is left to Thunder.
+_UNFOLD_SLICES = 64
+
+
+def unfold_as_slices(gm: torch.fx.GraphModule) -> int:
+    """Rewrite a dynamo ``GraphModule`` in place so that ``x.unfold(dim, size, step)`` is the ``stack``,
+    on a new last axis, of ``size`` strided slices of ``x`` along ``dim`` (the same values); the count.
+    ThunderCompiler 0.2.6's splitter fails on ``unfold``: its automatic registration raises im2col's
+    error ("Expected 3D or 4D (batch mode) tensor": BLT's hash of byte n-grams). Sent to inductor
+    instead, it split BLT's ``torch.no_grad()`` block across regions, and its loss lost its gradient."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.target not in ("unfold", torch.Tensor.unfold) or node.kwargs or len(node.args) != 4:
+            continue
+        x, dim, size, step = node.args
+        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        if not (isinstance(value, torch.Tensor) and all(isinstance(a, int) for a in (dim, size, step, *value.shape))
+                and 0 < size <= _UNFOLD_SLICES and step > 0 and value.ndim > 0 and size <= value.shape[dim]):
+            continue
+        dim %= value.ndim
+        span = (value.shape[dim] - size) // step * step + 1
+        with gm.graph.inserting_before(node):
+            slices = [call_with_example_value(gm.graph, operator.getitem,
+                                              (x, (*(slice(None),) * dim, slice(i, i + span, step))))
+                      for i in range(size)]
+            windows = call_with_example_value(gm.graph, torch.stack, (slices,), {"dim": -1})
+        node.replace_all_uses_with(windows)
+        gm.graph.erase_node(node)
         count += 1
     if count:
         gm.recompile()

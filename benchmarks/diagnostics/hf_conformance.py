@@ -168,7 +168,6 @@ _SPECIAL: dict[str, dict] = {
 # narrowed model, 1 layer, 16 tokens).
 KNOWN = {
     "doge": "plain ThunderCompiler() and MemoryOptimization(passes=()) mismatch alike (loss 7e-4): Thunder's",
-    "blt": "Thunder's automatic torch fallback fails to register unfold: Thunder's",
     # MoE models whose routers normalize their top-k weights in place, which matched after
     # in_place_rewrites.in_place_as_out_of_place (2026-12-07; plain ThunderCompiler() gives the router another
     # gradient). The head: on CPU transformers' grouped_mm fallback reads its offsets with tolist() in its
