@@ -177,8 +177,9 @@ KNOWN = {
                      "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text", "deepseek_v3", "glm4_moe_lite",
                      "glm_moe_dsa", "axk1"),
                     "head not fused: on CPU the graph breaks at transformers' grouped_mm fallback (read on mixtral)"),
-    "nemotron_h": "step 1 matches since the router's rewrite (5.8e-7, 9.3e-2 before); step 2 differs at the "
-                  "first Mamba mixer's in_proj: not explained",
+    "nemotron_h": "step 2 differs at the first Mamba mixer's in_proj under torch.compile's own backends too: "
+                  "aot_eager 5.1e-4, inductor 8.0e-4 at the same weight, where eager with its step-1 gradients "
+                  "perturbed by 1e-6 differs at step 2 by 4.8e-7 (2026-12-07); step 1 matches",
     "phimoe": "random in training: its router samples experts (Gumbel noise, rand_like), and eager itself, "
               "seeded otherwise, differs at step 2 by 1.7 at the router's weight (2026-12-07); step 1 matches",
     # The first step at 1055 graph nodes (qwen3_5_moe_text; qwen3_next 1057, deepseek_v4 1469, qwen3_5_text 943,
