@@ -1,13 +1,11 @@
 """The backend's rewrites of a dynamo graph before ThunderCompiler splits it (``rewrite_for_thunder``).
 
-Each rewrite works around one thing Thunder 0.2.6 does not do, with the same values:
-- collectives, torch 2.11's ``autograd_function_apply`` and in-place changes of ``.data`` run outside
-  Thunder, in inductor;
-- ``addmm``, ``torch.diff``, ``new_ones``, ``eye``, ``Tensor.unfold`` and torch's aliases
-  (``torch.multiply``) become ops Thunder has, so the graph does not split;
-- a 0-d tensor that an elementwise op broadcasts, and that needs a gradient, is broadcast from ones;
-- a product of complex tensors, which Thunder differentiates wrong, is computed in real ops where it
-  is read through ``view_as_real``, and warned of elsewhere;
+Each works around one thing Thunder 0.2.6 does not do, with the same values:
+- collectives, torch 2.11's ``autograd_function_apply`` and changes of ``.data`` run in inductor;
+- ``addmm``, ``diff``, ``new_ones``, ``eye``, ``unfold``, ``%`` and torch's aliases (``torch.multiply``)
+  become ops Thunder has, so the graph does not split;
+- a broadcast 0-d tensor that needs a gradient is broadcast from ones;
+- a complex product read through ``view_as_real`` is computed in real ops (one left is warned of);
 - in-place ops on tensors the graph makes become out-of-place ones (``in_place_rewrites``).
 Each function's docstring says what fails without it.
 """
@@ -32,6 +30,7 @@ __all__ = [
     "keep_addmm_in_thunder", "aliases_as_their_ops", "keep_mask_preparation_in_thunder",
     "zero_dim_operands_reshaped", "complex_products_as_real", "warn_on_complex_products",
 ]
+
 
 def rewrite_for_thunder(gm: torch.fx.GraphModule) -> None:
     """The backend's rewrites of a dynamo graph, in place, before ThunderCompiler splits it.
