@@ -312,7 +312,8 @@ def _altup_step(backend) -> list[torch.Tensor]:
     f = module if backend is None else torch.compile(module, backend=backend)
     out = f(hidden, per_layer_inputs)
     (out * torch.arange(8.0)).sum().backward()
-    return [out.detach(), module.coefs.detach(), hidden.grad, per_layer_inputs.grad, module.gate.grad, module.coefs.grad]
+    return [out.detach(), module.coefs.detach(),
+            hidden.grad, per_layer_inputs.grad, module.gate.grad, module.coefs.grad]
 
 
 def test_gemma3n_altup_trains_as_eager_in_one_region_where_plain_thunder_fails():

@@ -74,14 +74,14 @@ def _run_outside_thunder(target):
     """A callable Thunder has no mapping for, so its splitter sends the node to inductor; ``target`` is a
     function, or a method's name (the tensor its first argument)."""
 
-    def collective(*args, **kwargs):
+    def outside(*args, **kwargs):
         if isinstance(target, str):
             return getattr(args[0], target)(*args[1:], **kwargs)
         return target(*args, **kwargs)
 
-    name = f"thunder_memopt_outside_thunder_{target if isinstance(target, str) else getattr(target, '__name__', 'op')}"
-    collective.__name__ = collective.__qualname__ = name  # what ThunderCompiler's split reasons show
-    return collective
+    label = target if isinstance(target, str) else getattr(target, "__name__", "op")
+    outside.__name__ = outside.__qualname__ = f"thunder_memopt_outside_thunder_{label}"  # in split reasons
+    return outside
 
 
 def _send_outside_thunder(gm: torch.fx.GraphModule, matches: Callable[[torch.fx.Node], bool]) -> int:
@@ -115,8 +115,9 @@ def _changes_data(node: torch.fx.Node) -> bool:
     target = node.args[0] if node.args else None
     if not (isinstance(target, torch.fx.Node) and target.target is torch._C._autograd._get_data_attr):
         return False
-    return changed_in_place(node) is not None or (node.op == "call_method" and node.target.endswith("_")
-                                          and not node.target.startswith("_"))
+    # An in-place operator (``x.data *= 2``) or any in-place method (``clamp_``, ``zero_``, ``copy_``).
+    in_place_method = node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_")
+    return in_place_method or changed_in_place(node) is not None
 
 
 def keep_data_changes_out_of_thunder(gm: torch.fx.GraphModule) -> int:
@@ -256,7 +257,7 @@ def aliases_as_their_ops(gm: torch.fx.GraphModule) -> int:
     return count
 
 
-# The widest window written as slices; a wider one is left to Thunder.
+# The widest window written as slices; a wider one is left as it is (where Thunder's splitter fails).
 _UNFOLD_SLICES = 64
 
 
@@ -265,7 +266,7 @@ def unfold_as_slices(gm: torch.fx.GraphModule) -> int:
     on a new last axis, of ``size`` strided slices of ``x`` along ``dim`` (the same values); the count.
     ThunderCompiler 0.2.6's splitter fails on ``unfold``: its automatic registration raises im2col's
     error ("Expected 3D or 4D (batch mode) tensor": BLT's hash of byte n-grams). Sent to inductor
-    instead, it split BLT's ``torch.no_grad()`` block across regions, and its loss lost its gradient."""
+    instead, it would split that hash's ``torch.no_grad()`` block, as ``%`` did (``aliases_as_their_ops``)."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.target not in ("unfold", torch.Tensor.unfold) or node.kwargs or len(node.args) != 4:
