@@ -156,15 +156,16 @@ def test_window_attention_is_sdpa_with_the_mask_within_bf16_rounding(window):
     results = []
     for dtype, f in ((torch.float32, attend),
                      (torch.bfloat16, thunder.jit(attend, executors=executors(), transforms=[MemoryOptimization()]))):
-        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        inputs = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
         out = f(*inputs)
         (out.float() * weight).sum().backward()
         results.append([out.float(), *(t.grad.float() for t in inputs)])
     names = {b.sym.name for b in thunder.last_traces(f)[-1].bound_symbols}
     assert "memopt_window_attention_forward" in names and "scaled_dot_product_attention" not in names
     for got, expected in zip(results[1], results[0]):
-        # bf16 inputs and outputs: within 2% of the largest fp32 element.
-        torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+        # bf16 inputs and outputs: within 2% of the largest fp32 element, and 1e-4 absolute: with a window of 1
+        # the gradients of q and k are zero in exact arithmetic, so their largest fp32 element is rounding noise.
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item() + 1e-4)
 
 
 @requires_cuda
