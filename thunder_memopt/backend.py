@@ -8,15 +8,18 @@ thunder_memopt's executors (``thunder_memopt.executors()``) in front of Thunder'
   (``THUNDER_OPTIONS``): ``thunder.jit`` takes any name and ignores those it does not know.
 - Each dynamo graph goes through ``graph_rewrites.rewrite_for_thunder`` first; where the causal
   mask pass runs, masks made in one graph and read in another keep their proof (``causal_inputs``).
+- ``transformers_log_calls_as_no_ops``: dynamo traces through transformers' one-time log calls.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import thunder
+import torch
 from thunder.core.transform_common import Transform
 from thunder.extend import Executor, get_executor
 
@@ -25,7 +28,7 @@ from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.graph_rewrites import rewrite_for_thunder
 from thunder_memopt.transform import MemoryOptimization
 
-__all__ = ["THUNDER_OPTIONS", "thunderfx_backend"]
+__all__ = ["THUNDER_OPTIONS", "thunderfx_backend", "transformers_log_calls_as_no_ops"]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
 # version) and its ThunderCompiler read: ``get_compile_option``'s names and ``compile_options``'s keys.
@@ -65,6 +68,18 @@ def _check_thunder_options(options: dict[str, Any]) -> None:
                     "thunder Executors or names of registered executors")
 
 
+def transformers_log_calls_as_no_ops() -> None:
+    """Where transformers is imported: dynamo takes its loggers' ``warning_once``, ``info_once`` and
+    ``warning_advice`` for no-ops (``torch._dynamo.config.ignore_logging_functions``, for every
+    backend of the process), where it broke the graph at them. GPT-2's ``loss_function`` warns once
+    that its ``loss_type`` is unset: the loss ran in a graph of its own, apart from the head's linear,
+    and the loss head was not fused. Those messages are then not printed from compiled code."""
+    logging = sys.modules.get("transformers.utils.logging")
+    if logging is not None:
+        torch._dynamo.config.ignore_logging_functions.update(
+            {logging.warning_once, logging.info_once, logging.warning_advice})
+
+
 def thunderfx_backend(
     memory_optimization: MemoryOptimization | None = None,
     *,
@@ -83,6 +98,7 @@ def thunderfx_backend(
     """
     from thunder.dynamo import ThunderCompiler
 
+    transformers_log_calls_as_no_ops()  # before dynamo traces the model: the first graph breaks otherwise
     if memory_optimization is not None and not isinstance(memory_optimization, MemoryOptimization):
         raise TypeError(
             "thunderfx_backend: memory_optimization must be a MemoryOptimization instance or None, "

@@ -187,9 +187,6 @@ KNOWN = {
     **dict.fromkeys(("deepseek_v4", "qwen3_5_moe_text", "qwen3_next"),
                     "ThunderCompiler's splitter traces each node with its gradient to see whether Thunder runs it: "
                     "88% of the first step's time (profiled on qwen3_5_moe_text)"),
-    **dict.fromkeys(("gpt2", "gpt-sw3"), "head not fused: dynamo breaks the graph at the loss (transformers "
-                    "logs that the loss type of GPT2LMHeadModel is unrecognized), so the head's linear and the "
-                    "cross-entropy are in two graphs"),
 }
 
 
