@@ -130,76 +130,15 @@ def _isa_extension_checks_in_process() -> None:
     cpu_vec_isa.subprocess = _IsaCheckLoadsInProcess()
 
 
-class _Uncacheable(Exception):
-    """An argument whose meta check a key cannot stand for."""
-
-
-def _argument_key(arg) -> object:
-    """What Thunder's meta check of a graph node reads of one argument (``get_proxy_inputs_from_node``):
-    a tensor's shape, dtype and device (it proxies a new tensor of ones), a symbolic int's hint, and
-    plain values as they are."""
-    import torch
-    import torch.fx
-    from thunder.dynamo.utils import _concrete_value
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(arg, torch.fx.Node):
-        value = arg.meta.get("example_value") if arg.op != "get_attr" else None
-        values = value if isinstance(value, tuple) else (value,)
-        # Not a subclass that proxies with more than these (a DTensor's mesh and placements).
-        if all(type(v) in (FakeTensor, torch.Tensor, torch.nn.Parameter) for v in values):
-            tensors = tuple((_concrete_value(v.shape), v.dtype, v.device, v.requires_grad) for v in values)
-            return (type(value), tensors)
-        if isinstance(value, torch.SymInt) and value.node.has_hint():
-            return (int, value.node.hint)
-        raise _Uncacheable
-    if isinstance(arg, (list, tuple)):
-        return (type(arg), tuple(_argument_key(a) for a in arg))
-    if isinstance(arg, dict):
-        return (dict, tuple((k, _argument_key(v)) for k, v in arg.items()))
-    if isinstance(arg, slice):
-        return (slice, _argument_key(arg.start), _argument_key(arg.stop), _argument_key(arg.step))
-    if isinstance(arg, float):
-        return (float, repr(arg))  # -0.0 apart from 0.0
-    if arg is None or arg is Ellipsis or isinstance(arg, (bool, int, str, torch.dtype, torch.device,
-                                                          torch.memory_format, torch.layout)):
-        return (type(arg), arg)
-    raise _Uncacheable
-
-
 def _supported_nodes_checked_once() -> None:
-    """ThunderCompiler's splitter asks of each node of each dynamo graph whether Thunder runs it
-    (``try_execute_thunder_symbol``): it proxies the node's arguments and traces the symbol, with its
-    gradient where an argument requires one. That is a third of a transformers model's compilation,
-    and the same nodes come again: each layer's, and each graph that a test compiles twice (plain
-    ThunderCompiler and thunderfx_backend). The tests' processes keep each check that passed, keyed
-    by all it reads (``_argument_key``; Torch's default dtype and device, grad and autocast modes,
-    ``disable_torch_autograd``), and run the others, failures included, as Thunder does."""
-    import torch
-    import thunder.dynamo.utils as dynamo_utils
+    """ThunderCompiler's splitter checks each node of each dynamo graph for whether Thunder runs it;
+    the same nodes come again: each layer's, and each graph that a test compiles twice (plain
+    ThunderCompiler and thunderfx_backend). thunderfx_backend keeps the checks that passed during its
+    own compiles (thunder_memopt.node_checks); the tests' processes keep them for plain
+    ThunderCompiler's too."""
+    from thunder_memopt.node_checks import keep_checks
 
-    original = dynamo_utils.try_execute_thunder_symbol
-    if getattr(original, "_checked_once", False):
-        return
-    passed: set = set()
-
-    def try_execute_thunder_symbol(thunder_symbol, node, thunder_options):
-        try:
-            key = (thunder_symbol, _argument_key(node.args), _argument_key(node.kwargs),
-                   thunder_options.get("disable_torch_autograd", None), torch.get_default_dtype(),
-                   torch.get_default_device(), torch.is_grad_enabled(), torch._C._is_any_autocast_enabled())
-            hash(key)
-        except (_Uncacheable, TypeError):
-            return original(thunder_symbol, node, thunder_options)
-        if key in passed:
-            return True, None
-        result = original(thunder_symbol, node, thunder_options)
-        if result == (True, None):
-            passed.add(key)
-        return result
-
-    try_execute_thunder_symbol._checked_once = True
-    dynamo_utils.try_execute_thunder_symbol = try_execute_thunder_symbol
+    keep_checks()
 
 
 def _global_names_looked_up_directly() -> None:

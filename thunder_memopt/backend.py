@@ -9,6 +9,7 @@ thunder_memopt's executors (``thunder_memopt.executors()``) in front of Thunder'
 - Each dynamo graph goes through ``graph_rewrites.rewrite_for_thunder`` first; where the causal
   mask pass runs, masks made in one graph and read in another keep their proof (``causal_inputs``).
 - ``transformers_log_calls_as_no_ops``: dynamo traces through transformers' one-time log calls.
+- The splitter's per-node checks that pass are kept across its compiles (``node_checks``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from thunder.extend import Executor, get_executor
 from thunder_memopt.causal_inputs import compile_with_causal_inputs
 from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.graph_rewrites import rewrite_for_thunder
+from thunder_memopt.node_checks import checks_kept
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = ["THUNDER_OPTIONS", "thunderfx_backend", "transformers_log_calls_as_no_ops"]
@@ -116,9 +118,10 @@ def thunderfx_backend(
 
     def backend(gm, example_inputs):
         rewrite_for_thunder(gm)
-        if causal_inputs:
-            return compile_with_causal_inputs(gm, example_inputs, compiler)
-        return compiler(gm, example_inputs)
+        with checks_kept():
+            if causal_inputs:
+                return compile_with_causal_inputs(gm, example_inputs, compiler)
+            return compiler(gm, example_inputs)
 
     backend.compiler = compiler  # subgraph_infos and traces stay reachable
     return backend
