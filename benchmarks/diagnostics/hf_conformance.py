@@ -167,7 +167,10 @@ _SPECIAL: dict[str, dict] = {
 # Causes found for what a row shows, where the row cannot say it (checked on 2026-12-06 with the same
 # narrowed model, 1 layer, 16 tokens).
 KNOWN = {
-    "doge": "plain ThunderCompiler() and MemoryOptimization(passes=()) mismatch alike (loss 7e-4): Thunder's",
+    "doge": "transformers', not Thunder's: in eager, masking_utils skips the causal mask where SDPA can take "
+            "is_causal, and Doge's attention then hands SDPA its dynamic mask alone, with no causality; traced, "
+            "the mask is made. torch.compile(backend='eager') differs from eager alike (loss 5.5704 against "
+            "5.5610), and thunderfx_backend() matches it (the same loss, gradients within 3.1e-5; 2026-12-07)",
     # MoE models whose routers normalize their top-k weights in place, which matched after
     # in_place_rewrites.in_place_as_out_of_place (2026-12-07; plain ThunderCompiler() gives the router another
     # gradient). The head: on CPU transformers' grouped_mm fallback reads its offsets with tolist() in its
