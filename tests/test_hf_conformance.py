@@ -63,7 +63,7 @@ def test_matches_eager(name):
 @pytest.mark.parametrize("name", ("gpt2", "qwen3", "olmo2"))
 def test_the_head_is_fused_and_the_attention_causal(name):
     # GPT-2's loss_function warns once that its loss_type is unset: dynamo broke the graph there, and the
-    # loss ran in a graph of its own, unfused (backend.transformers_log_calls_as_no_ops).
+    # loss ran in a graph of its own, unfused (backend.loss_type_warning_skipped_when_compiling).
     result = conformed(name)
     assert result.head == "fused (logits kept)", result
     assert result.attention.startswith("is_causal 1/1"), result

@@ -4,8 +4,8 @@ that make it as fast as torch.compile without nvFuser.
 Enable with ``thunder.jit(model, executors=thunder_memopt.executors(), transforms=[MemoryOptimization()])``
 or, under ``torch.compile``/FSDP2, with ``torch.compile(model, backend=thunderfx_backend())`` or, once
 installed, ``backend="thunder_memopt"`` (thunder_memopt.named_backend, which this import also adds to
-accelerate's backend names, for transformers' Trainer; where transformers is imported, dynamo then traces
-through its one-time log calls, ``backend.transformers_log_calls_as_no_ops``).
+accelerate's backend names, for transformers' Trainer; where transformers is imported, its default loss
+is then traced without the warning that broke the graph, ``backend.loss_type_warning_skipped_when_compiling``).
 
 ``__version__`` is the installed distribution's, whose one source is pyproject.toml.
 """
@@ -19,7 +19,7 @@ with warnings.catch_warnings():
     import thunder  # noqa: F401
 
 from thunder_memopt import executors  # the package, callable: executors() is the executor list
-from thunder_memopt.backend import thunderfx_backend, transformers_log_calls_as_no_ops
+from thunder_memopt.backend import loss_type_warning_skipped_when_compiling, thunderfx_backend
 from thunder_memopt.core.cost import DeviceRates
 from thunder_memopt.named_backend import add_name_to_accelerate
 from thunder_memopt.transform import PASSES, MemoryOptimization
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 add_name_to_accelerate()
-transformers_log_calls_as_no_ops()  # backend="thunder_memopt" imports this package at torch.compile
+loss_type_warning_skipped_when_compiling()  # backend="thunder_memopt" imports this package at torch.compile
 
 try:
     __version__ = importlib.metadata.version("thunder-memopt")

@@ -8,7 +8,8 @@ thunder_memopt's executors (``thunder_memopt.executors()``) in front of Thunder'
   (``THUNDER_OPTIONS``): ``thunder.jit`` takes any name and ignores those it does not know.
 - Each dynamo graph goes through ``graph_rewrites.rewrite_for_thunder`` first; where the causal
   mask pass runs, masks made in one graph and read in another keep their proof (``causal_inputs``).
-- ``transformers_log_calls_as_no_ops``: dynamo traces through transformers' one-time log calls.
+- ``loss_type_warning_skipped_when_compiling``: a transformers model's default loss, traced without its
+  warning (a graph break).
 - The splitter's per-node checks that pass are kept across its compiles (``node_checks``).
 """
 
@@ -30,7 +31,7 @@ from thunder_memopt.graph_rewrites import rewrite_for_thunder
 from thunder_memopt.node_checks import checks_kept
 from thunder_memopt.transform import MemoryOptimization
 
-__all__ = ["THUNDER_OPTIONS", "thunderfx_backend", "transformers_log_calls_as_no_ops"]
+__all__ = ["THUNDER_OPTIONS", "loss_type_warning_skipped_when_compiling", "thunderfx_backend"]
 
 # thunder.jit's keyword parameters, and the compile options that Thunder 0.2.6 (the pinned
 # version) and its ThunderCompiler read: ``get_compile_option``'s names and ``compile_options``'s keys.
@@ -70,16 +71,30 @@ def _check_thunder_options(options: dict[str, Any]) -> None:
                     "thunder Executors or names of registered executors")
 
 
-def transformers_log_calls_as_no_ops() -> None:
-    """Where transformers is imported: dynamo takes its loggers' ``warning_once``, ``info_once`` and
-    ``warning_advice`` for no-ops (``torch._dynamo.config.ignore_logging_functions``, for every
-    backend of the process), where it broke the graph at them. GPT-2's ``loss_function`` warns once
-    that its ``loss_type`` is unset: the loss ran in a graph of its own, apart from the head's linear,
-    and the loss head was not fused. Those messages are then not printed from compiled code."""
-    logging = sys.modules.get("transformers.utils.logging")
-    if logging is not None:
-        torch._dynamo.config.ignore_logging_functions.update(
-            {logging.warning_once, logging.info_once, logging.warning_advice})
+def loss_type_warning_skipped_when_compiling() -> None:
+    """Where transformers is imported: under dynamo, a model whose ``loss_type`` transformers does not
+    know gets the default loss (``ForCausalLMLoss``) from ``PreTrainedModel.loss_function`` without the
+    warning it logs, as in eager with it. Dynamo breaks the graph at a logger's call: GPT-2's loss
+    (GPT2LMHeadModel names no loss type) ran in a graph of its own, apart from the head's linear, and
+    the loss head was not fused. Outside dynamo the property is transformers' own. (Dynamo's
+    ``ignore_logging_functions`` would skip the call too, but torch 2.11 then fails to write its
+    compile metrics, with an error logged at each compile: it sorts the set and writes it as JSON.)"""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:
+        return
+    model_class = modeling_utils.PreTrainedModel
+    transformers_own = model_class.__dict__.get("loss_function")
+    if not isinstance(transformers_own, property) or getattr(transformers_own.fget, "warning_skipped", False):
+        return
+
+    def loss_function(self):
+        if (torch.compiler.is_compiling() and not hasattr(self, "_loss_function")
+                and getattr(self, "loss_type", None) not in modeling_utils.LOSS_MAPPING):
+            return modeling_utils.LOSS_MAPPING["ForCausalLM"]
+        return transformers_own.fget(self)
+
+    loss_function.warning_skipped = True
+    model_class.loss_function = property(loss_function, transformers_own.fset, doc=transformers_own.__doc__)
 
 
 def thunderfx_backend(
@@ -100,7 +115,7 @@ def thunderfx_backend(
     """
     from thunder.dynamo import ThunderCompiler
 
-    transformers_log_calls_as_no_ops()  # before dynamo traces the model: the first graph breaks otherwise
+    loss_type_warning_skipped_when_compiling()  # before dynamo traces the model
     if memory_optimization is not None and not isinstance(memory_optimization, MemoryOptimization):
         raise TypeError(
             "thunderfx_backend: memory_optimization must be a MemoryOptimization instance or None, "
