@@ -72,9 +72,9 @@ def _check_thunder_options(options: dict[str, Any]) -> None:
 
 
 def loss_type_warning_skipped_when_compiling() -> None:
-    """Where transformers is imported: under dynamo, a model whose ``loss_type`` transformers does not
-    know gets the default loss (``ForCausalLMLoss``) from ``PreTrainedModel.loss_function`` without the
-    warning it logs, as in eager with it. Dynamo breaks the graph at a logger's call: GPT-2's loss
+    """Where transformers is imported: under dynamo, ``PreTrainedModel.loss_function`` gives a model
+    whose ``loss_type`` transformers does not know the default loss (``ForCausalLMLoss``), as in eager,
+    without the warning it logs there. Dynamo breaks the graph at a logger's call: GPT-2's loss
     (GPT2LMHeadModel names no loss type) ran in a graph of its own, apart from the head's linear, and
     the loss head was not fused. Outside dynamo the property is transformers' own. (Dynamo's
     ``ignore_logging_functions`` would skip the call too, but torch 2.11 then fails to write its

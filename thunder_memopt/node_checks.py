@@ -2,8 +2,7 @@
 
 ThunderCompiler's splitter asks of each node of each dynamo graph whether Thunder runs it
 (``thunder.dynamo.utils.try_execute_thunder_symbol``): it proxies the node's arguments and traces the
-symbol, with its gradient where an argument requires one, about a tenth of a second a node. A model's
-layers repeat the same nodes. A check that passed is kept, keyed by all it reads (``argument_key``);
+symbol, with its gradient where an argument requires one. A model's layers repeat the same nodes. A check that passed is kept, keyed by all it reads (``argument_key``);
 the others, failures included, run as Thunder runs them.
 
 - ``checks_kept``: a context in which the splitter's checks are kept (``thunderfx_backend``'s compiles).
