@@ -30,7 +30,7 @@ from thunder_memopt.core.memory import backward_storages, simulated_strides
 from thunder_memopt.core.trace import saved_proxies
 from thunder_memopt.executors import offload as offload_executor
 from thunder_memopt.executors.fusion import InductorFusionExecutor
-from thunder_memopt.passes import collectives, donate, fit, recompute, schedule
+from thunder_memopt.passes import collectives, donate, fit, loss_head, recompute, schedule
 from thunder_memopt.passes import offload as offload_module
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "ScheduleStage",
     "OffloadStage",
     "DonationStage",
+    "UnmadeGradientStage",
     "Phase",
     "may_fall_back",
     "fuse_forward",
@@ -488,6 +489,27 @@ class DonationStage(Stage):
                                                       received_strides=simulated_strides(forward))
         self.donated += in_forward + in_backward
         return forward, backward
+
+
+class UnmadeGradientStage(Stage):
+    """The loss-head pass on the final pair: the forward's outputs whose gradient the backward reads
+    in the fused head alone marked, so that an unused one's is never made
+    (``loss_head.unused_logits_gradients_unmade``)."""
+
+    name = "loss_head"
+    kept = "the gradient of unused logits made, as zeros"
+
+    def runs_forward(self, pair: Pair) -> bool:
+        return False
+
+    def runs_backward(self, pair: Pair) -> bool:
+        return False
+
+    def runs_on_final(self, pair: Pair) -> bool:
+        return True
+
+    def on_final(self, forward: TraceCtx, backward: TraceCtx, pair: Pair) -> tuple[TraceCtx, TraceCtx]:
+        return loss_head.unused_logits_gradients_unmade(forward, backward), backward
 
 
 Phase = Literal["forward", "rerun", "backward", "final"]

@@ -31,9 +31,12 @@ function, after its own optimization and ``del_last_used``. The other passes run
 4. ``offload`` (when the ``offload`` option is not "off"): once both traces of a pair are final,
    copy saved tensors to host memory in the forward and reload them in the backward
    (thunder_memopt.passes.offload); its plans are kept in ``offload_plans``.
-5. ``donate``: last, once both traces of a pair are final, each fusion region writes an output
+5. ``donate``: once both traces of a pair are final, each fusion region writes an output
    into the memory of an input that dies there, a saved tensor that only the backward holds among
    them (thunder_memopt.passes.donate); ``donated_outputs`` counts them.
+6. ``loss_head`` again, last: the forward marks each output whose gradient the backward reads in the
+   fused head alone (a model's returned logits), so that where the caller leaves it unused, that
+   gradient is never made (thunder_memopt.executors.unmade_gradients).
 
 Once the backward's passes have run, both traces of the pair are final, and their fusion regions
 are compiled together, ahead of their first calls (thunder_memopt.executors.fusion.compile_ahead).
@@ -96,6 +99,7 @@ from thunder_memopt.stages import (
     RecomputeStage,
     ScheduleStage,
     Stage,
+    UnmadeGradientStage,
     may_fall_back,
 )
 
@@ -271,8 +275,10 @@ class MemoryOptimization(Transform):
         self._stages = [s for p in self.passes for s in stages_of.get(p, ())]
         if offloading:
             self._stages.append(self._offload)
-        if "donate" in self.passes:  # last: it reads the saved set that offload leaves
+        if "donate" in self.passes:  # it reads the saved set that offload leaves
             self._stages.append(self._donation)
+        if "loss_head" in self.passes:  # marks the forward's outputs once nothing changes the backward
+            self._stages.append(UnmadeGradientStage())
         self._pairs: dict[tuple[str, ...], Pair] = {}
         # Seconds spent in each pass over every trace this instance has seen (compile-time cost).
         self.pass_seconds: dict[str, float] = {}

@@ -11,7 +11,9 @@ inputs of
   loss_head pass puts in a trace, run directly): recomputing them in the backward
   (``memopt_linear_cross_entropy_forward_and_logits`` and ``_backward``), and with the gradients in
   the forward from the logits' views (``..._forward_and_logits_with_gradients`` and
-  ``..._scale_gradients_and_logits_grad``), at each ``--slice-mib`` of the logits' gradient.
+  ``..._scale_gradients_and_logits_grad``), at each ``--slice-mib`` of the logits' gradient, and
+  so again with the logits' unused gradient unmade, as Thunder runs the head that the loss-head
+  pass marks (executors.unmade_gradients).
 Each row names the chunk shapes the head chose (executors._head_shapes). With ``--profile``, the
 top CUDA kernels per vocabulary of the heads in ``PROFILED``: ``nvjet`` (sm90) or ``cutlass_80``
 (sm80) matmuls, and the kernels around them.
@@ -35,7 +37,7 @@ from loss_head import measure, profile
 
 from thunder_memopt.executors import chunked_cross_entropy as cce
 from thunder_memopt.executors import linear_cross_entropy
-from thunder_memopt.executors import _head_shapes
+from thunder_memopt.executors import _head_shapes, unmade_gradients
 from thunder_memopt.executors._head_shapes import chunk_tokens, vocabulary_width
 
 VOCABULARIES = (32000, 49155, 128256, 151936, 256000)
@@ -107,6 +109,23 @@ class _WithLogitsInForward(torch.autograd.Function):
         return grads[0], grads[1], None, None
 
 
+class _WithLogitsUnmade(_WithLogitsInForward):
+    """The same, connected to autograd as Thunder connects a function whose logits the loss-head pass
+    marked: where they are left unused, their gradient is one broadcast zero, never made
+    (executors.unmade_gradients)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        ctx.set_materialize_grads(False)
+        loss, logits = _WithLogitsInForward.forward(ctx, hidden, weight, targets, chunk)
+        ctx.missing = unmade_gradients.missing_gradients((loss, logits), (logits,))
+        return loss, logits
+
+    @staticmethod
+    def backward(ctx, grad, logits_grad):
+        return _WithLogitsInForward.backward(ctx, *unmade_gradients.made_gradients((grad, logits_grad), ctx.missing))
+
+
 def with_logits(hidden, weight, targets, function=_WithLogits):
     chunk = chunk_tokens(targets.shape[0], weight.shape[0], device=hidden.device.type)
     loss, logits = function.apply(hidden, weight, targets, chunk)
@@ -114,12 +133,12 @@ def with_logits(hidden, weight, targets, function=_WithLogits):
     return loss
 
 
-def with_logits_in_forward(slice_mib: int):
+def with_logits_in_forward(slice_mib: int, function=_WithLogitsInForward):
     """with_logits, the gradients in the forward, in slices of ``slice_mib`` of the logits' gradient."""
 
     def head(hidden, weight, targets):
         _head_shapes.GRADIENT_SLICE_BYTES = slice_mib * 2**20
-        return with_logits(hidden, weight, targets, _WithLogitsInForward)
+        return with_logits(hidden, weight, targets, function)
 
     return head
 
@@ -170,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             _head_shapes.GRADIENT_SLICE_BYTES = mib * 2**20
             rows, columns = _head_shapes.gradient_slices(n, vocab, 2)
             heads += ((f"fused, logits returned, gradients in forward ({mib} MiB slices)",
-                       with_logits_in_forward(mib), f"{rows} | {columns}"),)
+                       with_logits_in_forward(mib), f"{rows} | {columns}"),
+                      (f"fused, logits returned, gradients in forward, unused gradient unmade ({mib} MiB slices)",
+                       with_logits_in_forward(mib, _WithLogitsUnmade), f"{rows} | {columns}"))
         for label, fn, chosen in heads:
             ms, peak = measure_on(args.device, fn, hidden, weight, targets)
             print(f"| {vocab} | {label} | {chosen} | {ms:.2f} | {'-' if peak is None else f'{peak:.0f}'} |",

@@ -45,7 +45,8 @@ from thunder_memopt.core.storages import (
     storage_roots,
     tensor_nbytes,
 )
-from thunder_memopt.core.trace import DELETION_NAMES, received_tensors, saved_proxies, source_of, trace_inputs
+from thunder_memopt.core.trace import (DELETION_NAMES, received_tensors, saved_proxies, source_of, trace_inputs,
+                                      unmade_cotangents)
 from thunder_memopt.core.views import OUTPUT_STRIDES, dense_strides_like, simulated_strides
 
 # Names of the model that other modules import from here, though this module does not read them.
@@ -358,10 +359,12 @@ def backward_storages(forward_trace: TraceCtx, backward_trace: TraceCtx) -> Know
 def _saved_storages(saved: SavedInventory, backward_trace: TraceCtx) -> dict[str, tuple[str, int]]:
     """The forward storage of each saved tensor the backward receives, named by one of the saved
     tensors in it, with its bytes: a saved slice keeps its whole base alive, a saved expand only
-    the small tensor it expands, and a tensor saved with its view is one storage."""
+    the small tensor it expands, and a tensor saved with its view is one storage. A gradient of the
+    model's logits that is not made where the caller left them unused (``unmade_cotangents``) has
+    no bytes."""
     received = {t.name for t in received_tensors(backward_trace)}
     named_by = {t.storage: t.storage for t in saved.tensors if t.storage in received}
-    storages = {}
+    storages = {t.name: (t.name, 0) for t in unmade_cotangents(backward_trace).values()}
     for t in saved.tensors:
         if t.name in received:
             storages[t.name] = (named_by.setdefault(t.storage, t.name), t.storage_nbytes)

@@ -25,7 +25,7 @@ from thunder.core.transforms import (
 )
 from thunder.executors.passes import del_last_used
 
-from thunder_memopt.core.ops import OpKind, op_kind
+from thunder_memopt.core.ops import HEAD_LOGITS_GRAD, OpKind, op_kind
 
 __all__ = [
     "DELETION_NAMES",
@@ -38,6 +38,7 @@ __all__ = [
     "received_tensors",
     "saved_proxies",
     "forward_outputs",
+    "unmade_cotangents",
     "strip_deletions",
     "replace_bound_symbols",
     "save_in_forward",
@@ -106,6 +107,41 @@ def forward_outputs(forward_trace: TraceCtx) -> list[str]:
     ``flat_output``; its ``flat_args`` are what it received)."""
     flat, _ = tree_flatten(forward_trace.bound_symbols[-1].args[0].get("flat_output", ()))
     return [t.name for t in flat if isinstance(t, TensorProxy)]
+
+
+# Reshapes as the backward runs them: Thunder's prim, its torch implementation, torch's ops.
+_RESHAPE_NAMES = {"torch_prims_reshape_impl", "reshape", "view"}
+
+
+def unmade_cotangents(backward_trace: TraceCtx) -> dict[int, TensorProxy]:
+    """The backward's cotangents, by their position (that of the forward's output in its
+    ``flat_output``), that reach nothing but the fused head's gradient of the model's logits
+    (``HEAD_LOGITS_GRAD``), through reshapes each read once. Where the caller never used such an
+    output, its gradient is not made (executors.unmade_gradients): the memory model counts none of
+    its bytes."""
+    if TraceTag.BACKWARD not in backward_trace.tags or len(backward_trace.args) < 2:
+        return {}
+    position = {t.name: i for i, t in enumerate(backward_trace.args[1]) if isinstance(t, TensorProxy)}
+    bsyms = [b for b in backward_trace.bound_symbols if b.sym.name not in DELETION_NAMES]
+    readers: dict[str, int] = {}
+    producer: dict[str, BoundSymbol] = {}
+    for b in bsyms:
+        for a in {a.name for a in b.flat_proxy_args}:
+            readers[a] = readers.get(a, 0) + 1
+        producer.update((o.name, b) for o in b.flat_proxy_outs)
+    name, index = HEAD_LOGITS_GRAD
+    found = {}
+    for b in bsyms:
+        t = b.args[index] if b.sym.name == name else None
+        while isinstance(t, TensorProxy) and readers.get(t.name) == 1:
+            if t.name in position:
+                found[position[t.name]] = t
+                break
+            reshape = producer.get(t.name)
+            if reshape is None or not (reshape.sym.id == prims.PrimIDs.RESHAPE or reshape.sym.name in _RESHAPE_NAMES):
+                break
+            t = reshape.flat_proxy_args[0]
+    return found
 
 
 def strip_deletions(trace: TraceCtx) -> TraceCtx:

@@ -32,6 +32,7 @@ from thunder_memopt.executors import _head_accounting  # noqa: F401  registers t
 from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy, linear_cross_entropy_ex
 from thunder_memopt.executors.cudnn_attention import cudnn_attention_ex, cudnn_supports
 from thunder_memopt.executors import window_attention  # noqa: F401  registers its ops on cudnn_attention_ex
+from thunder_memopt.executors import unmade_gradients  # noqa: F401  the loss head's mark; Thunder's connection
 from thunder_memopt.executors.fusion import (
     CompileStats,
     InductorFusionExecutor,

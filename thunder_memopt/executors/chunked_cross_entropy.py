@@ -411,9 +411,10 @@ def _scale_with_logits_grad_impl(grad, logits_grad, hidden, weight, bias, target
     logits where it has one. One wait for the device reads whether ``grad`` is 1 (the usual loss:
     then the unit gradients are the gradients, and no pass over the weight's is made) and whether
     autograd handed the logits a gradient that is not zeros, as it does for a result that nothing
-    used. Such a gradient goes through the chunks of _backward, which recompute the logits (the
-    steps' derivative needs them) and add nothing of the loss's (its scale is 0)."""
-    checks = [grad != 1] + ([] if logits_grad is None else [logits_grad.any()])
+    used (or, marked by the loss-head pass, one broadcast zero: executors.unmade_gradients). Such a
+    gradient goes through the chunks of _backward, which recompute the logits (the steps'
+    derivative needs them) and add nothing of the loss's (its scale is 0)."""
+    checks = [grad != 1] + ([] if logits_grad is None else [_stored_elements(logits_grad).any()])
     not_unit, *added = torch.stack(checks).tolist()
     grads = (grad_hidden, grad_weight, grad_bias)
     if not_unit:
@@ -426,6 +427,12 @@ def _scale_with_logits_grad_impl(grad, logits_grad, hidden, weight, bias, target
             if g is not None:
                 g += e
     return grads
+
+
+def _stored_elements(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where every stride is 0 (a broadcast scalar: the gradient of logits the caller left
+    unused, executors.unmade_gradients) its one stored element."""
+    return t[(0,) * t.ndim] if t.numel() and not any(t.stride()) else t
 
 
 def _loss_and_logits_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype,

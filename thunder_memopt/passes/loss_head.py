@@ -41,10 +41,12 @@ from thunder.core.proxies import ProxyInterface, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_memopt.core.trace import replace_bound_symbols, unmade_cotangents
 from thunder_memopt.executors._head_math import Steps
 from thunder_memopt.executors.chunked_cross_entropy import REDUCTIONS, chunk_tokens, head_loss, head_loss_and_logits
+from thunder_memopt.executors.unmade_gradients import unused_gradient_unmade
 
-__all__ = ["LossHead", "find_loss_heads", "fuse_loss_heads"]
+__all__ = ["LossHead", "find_loss_heads", "fuse_loss_heads", "unused_logits_gradients_unmade"]
 
 _CROSS_ENTROPY = inspect.signature(ltorch.cross_entropy.meta)
 # Between the head's linear and the cross-entropy: ops that change only shape or dtype.
@@ -222,3 +224,21 @@ def fuse_loss_heads(trace: TraceCtx, *, gradients_in_forward: bool = False) -> T
     new.bound_symbols = bsyms
     new.set_provenance(TraceProvenance(f"thunder_memopt loss_head: {len(heads)} linear+cross_entropy fused"))
     return new
+
+
+def unused_logits_gradients_unmade(forward: TraceCtx, backward: TraceCtx) -> TraceCtx:
+    """The forward with each output marked whose gradient its backward reads in the fused head alone
+    (core.trace.unmade_cotangents): where the caller leaves that output unused, its gradient is
+    never made (executors.unmade_gradients). The forward itself where there is none."""
+    ret = forward.bound_symbols[-1]
+    outputs = ret.args[0].get("flat_output", ()) if ret.sym.id == prims.PrimIDs.RETURN else ()
+    cotangents = unmade_cotangents(backward)
+    if len(outputs) != len(backward.args[1]):  # a position would not name the same tensor
+        return forward
+    marked = [outputs[k] for k, t in sorted(cotangents.items())
+              if isinstance(outputs[k], TensorProxy) and outputs[k].shape == t.shape]
+    if not marked:
+        return forward
+    marks = [unused_gradient_unmade.bind(t, output=None) for t in marked]
+    return replace_bound_symbols(forward, [*forward.bound_symbols[:-1], *marks, ret],
+                                 f"thunder_memopt loss_head: {len(marks)} unused gradient(s) unmade")
