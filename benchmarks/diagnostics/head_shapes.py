@@ -19,7 +19,7 @@ top CUDA kernels per vocabulary of the heads in ``PROFILED``: ``nvjet`` (sm90) o
 (sm80) matmuls, and the kernels around them.
 Under 4 minutes on an H100 (most of it inductor's five compilations):
 
-    python benchmarks/diagnostics/head_shapes.py [--profile]
+    python benchmarks/diagnostics/head_shapes.py [--profile] [--heads LABEL ...] [--rounds N]
 
 ``--device cpu --vocab 512 --tokens 256`` runs a smoke test of the script on the CPU.
 """
@@ -161,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="the top CUDA kernels of the heads in PROFILED")
     parser.add_argument("--slice-mib", type=int, nargs="+", default=[_head_shapes.GRADIENT_SLICE_BYTES // 2**20],
                         help="sizes of a slice of the logits' gradient, with the logits returned")
+    parser.add_argument("--heads", nargs="+", metavar="LABEL",
+                        help="only the heads whose label starts with one of these (default: all)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the heads this many times, in turn, and give the median round (and the "
+                             "range) of each: a ratio that run-to-run drift of the GPU does not skew")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("head_shapes: needs a GPU (or --device cpu)")
         return 2
@@ -192,10 +199,15 @@ def main(argv: list[str] | None = None) -> int:
                        with_logits_in_forward(mib), f"{rows} | {columns}"),
                       (f"fused, logits returned, gradients in forward, unused gradient unmade ({mib} MiB slices)",
                        with_logits_in_forward(mib, _WithLogitsUnmade), f"{rows} | {columns}"))
-        for label, fn, chosen in heads:
-            ms, peak = measure_on(args.device, fn, hidden, weight, targets)
-            print(f"| {vocab} | {label} | {chosen} | {ms:.2f} | {'-' if peak is None else f'{peak:.0f}'} |",
-                  flush=True)
+        if args.heads:
+            heads = tuple(h for h in heads if h[0].startswith(tuple(args.heads)))
+        rounds = [[measure_on(args.device, fn, hidden, weight, targets) for _, fn, _ in heads]
+                  for _ in range(args.rounds)]
+        for i, (label, fn, chosen) in enumerate(heads):
+            times = sorted(r[i][0] for r in rounds)
+            ms = f"{times[len(times) // 2]:.2f}" + (f" ({times[0]:.2f}-{times[-1]:.2f})" if len(times) > 1 else "")
+            peak = rounds[-1][i][1]
+            print(f"| {vocab} | {label} | {chosen} | {ms} | {'-' if peak is None else f'{peak:.0f}'} |", flush=True)
             if args.profile and args.device == "cuda" and label.startswith(PROFILED):
                 profiles.append(f"vocab {vocab}, {label}:\n" + profile(fn, hidden, weight, targets))
         del hidden, weight, targets
