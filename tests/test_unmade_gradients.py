@@ -1,7 +1,8 @@
 """An output whose gradient the backward reads in the fused head alone (a model's returned logits)
 gets, where the caller leaves it unused, one broadcast zero for a gradient instead of zeros of its
-size (thunder_memopt.executors.unmade_gradients): the same gradients, bit for bit, under thunder.jit
-(autograd split) and under thunderfx_backend; the memory model counts none of its bytes."""
+size (thunder_memopt.executors.unmade_gradients), which the head takes for none: the same gradients,
+bit for bit, under thunder.jit (autograd split; the head's gradients in the forward and in the
+backward) and under thunderfx_backend; the memory model counts none of its bytes."""
 
 import pytest
 import thunder
@@ -42,13 +43,14 @@ def _inputs():
 
 
 def _model(via: str, logits_in_loss: bool = False):
+    via, _, head_gradients = via.partition(":")
     """The model, its call with the inputs (loss and logits), its compiled function and backend (None:
     thunder.jit): under thunderfx_backend a narrowed transformers Llama, whose loss the pass fuses
     (the head above traces through dynamo to log_softmax and nll_loss)."""
     torch.manual_seed(0)
     if via == "jit":
         model = _Head(logits_in_loss)
-        fn = thunder.jit(model, executors=executors(), transforms=[MemoryOptimization()])
+        fn = thunder.jit(model, executors=executors(), transforms=[MemoryOptimization(head_gradients=head_gradients)])
         return model, lambda: fn(*_inputs()), fn, None
     model = build("llama", num_hidden_layers=1)
     x = tokens(model, 1, TOKENS)
@@ -80,22 +82,28 @@ def _step(via, use_logits, seen, *, logits_in_loss=False):
 
 @pytest.fixture
 def seen(monkeypatch):
-    """The strides of the logits' gradients the fused head reads."""
-    strides = []
+    """Each logits' gradient the fused head received: its strides, and whether the head took it for
+    none (the zero broadcast for logits left unused)."""
+    received = []
 
-    def stored_elements(t):
-        strides.append(t.stride())
-        return stored(t)
+    def model_logits_grad(t):
+        got = read(t)
+        received.append((t.stride(), got is None))
+        return got
 
-    stored = cce._stored_elements
-    monkeypatch.setattr(cce, "_stored_elements", stored_elements)
-    return strides
+    read = cce._model_logits_grad
+    monkeypatch.setattr(cce, "_model_logits_grad", model_logits_grad)
+    return received
 
 
-@pytest.mark.parametrize("via", ["jit", "thunderfx"])
+# jit: the head's gradients in the forward (time first) and in the backward (memory first).
+VIAS = ["jit:forward", "jit:backward", "thunderfx"]
+
+
+@pytest.mark.parametrize("via", VIAS)
 def test_unused_logits_get_one_broadcast_zero_and_the_same_gradients_bit_for_bit(monkeypatch, seen, via):
     grads, strides, (forward, backward) = _step(via, False, seen)
-    assert strides == [(0, 0)]  # not a tokens x vocabulary tensor of zeros
+    assert strides == [((0, 0), True)]  # not a tokens x vocabulary tensor of zeros, and read as none
     assert MARK in {b.sym.name for b in forward.bound_symbols}
     (cotangent,) = unmade_cotangents(backward).values()
     assert cotangent.shape[-1] == VOCAB and cotangent.numel() == TOKENS * VOCAB
@@ -103,15 +111,15 @@ def test_unused_logits_get_one_broadcast_zero_and_the_same_gradients_bit_for_bit
     # Thunder's own connection: autograd makes the zeros, and the head reads them whole.
     monkeypatch.setattr(thunder, "connect_to_autograd", unmade_gradients._thunder_connect_to_autograd)
     expected, strides, _ = _step(via, False, seen)
-    assert strides == [(VOCAB, 1)]
+    assert strides == [((VOCAB, 1), False)]
     for name, g in expected.items():
         assert torch.equal(grads[name], g), name
 
 
-@pytest.mark.parametrize("via", ["jit", "thunderfx"])
+@pytest.mark.parametrize("via", VIAS)
 def test_used_logits_get_their_gradient_as_before(monkeypatch, seen, via):
     grads, strides, _ = _step(via, True, seen)
-    assert strides == [(VOCAB, 1)]  # the gradient autograd made
+    assert strides == [((VOCAB, 1), False)]  # the gradient autograd made
     monkeypatch.setattr(thunder, "connect_to_autograd", unmade_gradients._thunder_connect_to_autograd)
     expected, _, _ = _step(via, True, seen)
     for name, g in expected.items():
@@ -121,10 +129,10 @@ def test_used_logits_get_their_gradient_as_before(monkeypatch, seen, via):
 def test_logits_whose_gradient_has_another_reader_are_not_marked(seen):
     # The loss reads the logits beside the head: the returned logits' gradient is added to that
     # reader's, so the head never reads it alone.
-    grads, strides, (forward, backward) = _step("jit", False, seen, logits_in_loss=True)
+    grads, strides, (forward, backward) = _step("jit:forward", False, seen, logits_in_loss=True)
     assert MARK not in {b.sym.name for b in forward.bound_symbols}
     assert not unmade_cotangents(backward)
-    assert all(s[-1] == 1 for s in strides)
+    assert all(s[-1] == 1 and not unmade for s, unmade in strides)
     torch.manual_seed(0)
     model = _Head(logits_in_loss=True)
     model(*_inputs())[0].backward()

@@ -124,9 +124,10 @@ FUSED_LOSS_HEAD_MATMULS = {
     "memopt_linear_cross_entropy_scale_gradients_and_logits_grad": 0,
 }
 FUSED_LOSS_HEAD = frozenset(FUSED_LOSS_HEAD_MATMULS)
-# The fused head's op that reads the model's own gradient of its logits, and that argument's index:
-# where that gradient reaches it alone, an unused one is never made (core.trace.unmade_cotangents).
-HEAD_LOGITS_GRAD = ("memopt_linear_cross_entropy_scale_gradients_and_logits_grad", 1)
+# The fused head's ops that read the model's own gradient of its logits, and that argument's index:
+# where that gradient reaches one alone, an unused one is never made (core.trace.unmade_cotangents).
+HEAD_LOGITS_GRAD = {"memopt_linear_cross_entropy_scale_gradients_and_logits_grad": 1,
+                    "memopt_linear_cross_entropy_backward": 10}
 
 # Its forwards are never replayed: what they save is the log-sum-exp (4 bytes a token), or the
 # gradients that the backward's variant computes with fewer matmuls (head_gradients="backward"), and

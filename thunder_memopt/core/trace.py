@@ -115,8 +115,8 @@ _RESHAPE_NAMES = {"torch_prims_reshape_impl", "reshape", "view"}
 
 def unmade_cotangents(backward_trace: TraceCtx) -> dict[int, TensorProxy]:
     """The backward's cotangents, by their position (that of the forward's output in its
-    ``flat_output``), that reach nothing but the fused head's gradient of the model's logits
-    (``HEAD_LOGITS_GRAD``), through reshapes each read once. Where the caller never used such an
+    ``flat_output``), that reach nothing but the fused head's argument for the gradient of the model's
+    logits (``HEAD_LOGITS_GRAD``), through reshapes each read once. Where the caller never used such an
     output, its gradient is not made (executors.unmade_gradients): the memory model counts none of
     its bytes."""
     if TraceTag.BACKWARD not in backward_trace.tags or len(backward_trace.args) < 2:
@@ -129,10 +129,10 @@ def unmade_cotangents(backward_trace: TraceCtx) -> dict[int, TensorProxy]:
         for a in {a.name for a in b.flat_proxy_args}:
             readers[a] = readers.get(a, 0) + 1
         producer.update((o.name, b) for o in b.flat_proxy_outs)
-    name, index = HEAD_LOGITS_GRAD
     found = {}
     for b in bsyms:
-        t = b.args[index] if b.sym.name == name else None
+        index = HEAD_LOGITS_GRAD.get(b.sym.name)
+        t = b.args[index] if index is not None and len(b.args) > index else None
         while isinstance(t, TensorProxy) and readers.get(t.name) == 1:
             if t.name in position:
                 found[position[t.name]] = t

@@ -411,9 +411,10 @@ def _scale_with_logits_grad_impl(grad, logits_grad, hidden, weight, bias, target
     logits where it has one. One wait for the device reads whether ``grad`` is 1 (the usual loss:
     then the unit gradients are the gradients, and no pass over the weight's is made) and whether
     autograd handed the logits a gradient that is not zeros, as it does for a result that nothing
-    used (or, marked by the loss-head pass, one broadcast zero: executors.unmade_gradients). Such a
+    used (where the loss-head pass marked the logits, none: executors.unmade_gradients). Such a
     gradient goes through the chunks of _backward, which recompute the logits (the steps'
     derivative needs them) and add nothing of the loss's (its scale is 0)."""
+    logits_grad = _model_logits_grad(logits_grad)
     checks = [grad != 1] + ([] if logits_grad is None else [_stored_elements(logits_grad).any()])
     not_unit, *added = torch.stack(checks).tolist()
     grads = (grad_hidden, grad_weight, grad_bias)
@@ -429,9 +430,21 @@ def _scale_with_logits_grad_impl(grad, logits_grad, hidden, weight, bias, target
     return grads
 
 
+# The attribute of the zero that a gradient never made broadcasts (executors.unmade_gradients).
+UNMADE = "_memopt_unmade_gradient"
+
+
+def _model_logits_grad(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The model's own gradient of its logits, or None where there is none: none came, or it is the
+    zero broadcast for logits the caller left unused (a view of a zero tagged UNMADE)."""
+    if t is None:
+        return None
+    return None if getattr(t if t._base is None else t._base, UNMADE, False) else t
+
+
 def _stored_elements(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or where every stride is 0 (a broadcast scalar: the gradient of logits the caller left
-    unused, executors.unmade_gradients) its one stored element."""
+    """``t``, or where every stride is 0 (a broadcast scalar, as autograd hands a sum's gradient) its
+    one stored element."""
     return t[(0,) * t.ndim] if t.numel() and not any(t.stride()) else t
 
 
@@ -455,7 +468,7 @@ def _backward_meta(grad, hidden, weight, bias, targets, lse, ignore_index, reduc
 def _backward_impl(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, chunk, steps,
                    logits_grad=None):
     return _backward(grad, hidden, weight, bias, targets, lse, ignore_index, reduction, steps, chunk, True,
-                     logits_grad)
+                     _model_logits_grad(logits_grad))
 
 
 def _with_gradients_meta(hidden, weight, bias, targets, ignore_index, reduction, chunk, steps, out_dtype):

@@ -9,8 +9,9 @@ the backward and read whole by the fused head to learn that it is zero.
 Where the backward reads such an output's gradient in the fused head alone (``core.trace.
 unmade_cotangents``), the forward marks the output (``unused_gradient_unmade``, which the loss-head
 pass puts before its return). Thunder's connection then takes the gradients unmade, and hands a
-marked output's missing one as a single zero broadcast to its shape (no memory; the head reads one
-element); every other output gets its zeros as before (``connect_to_autograd``).
+marked output's missing one as a single zero broadcast to its shape, tagged so that the head takes
+it for no gradient (no memory, nothing read); every other output gets its zeros as before
+(``connect_to_autograd``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import thunder.executors.torch_autograd as torch_autograd
 import torch
 from thunder.core.prims import OpTags
 
-from thunder_memopt.executors.chunked_cross_entropy import linear_cross_entropy_ex
+from thunder_memopt.executors.chunked_cross_entropy import UNMADE, linear_cross_entropy_ex
 
 __all__ = ["unused_gradient_unmade", "connect_to_autograd", "missing_gradients", "made_gradients"]
 
@@ -60,8 +61,12 @@ def made_gradients(grads: Sequence, missing: Sequence[_Missing]) -> list:
     for i, (g, m) in enumerate(zip(grads, missing)):
         if g is None and m is not None:
             shape, dtype, device, marked = m
-            made[i] = torch.zeros((), dtype=dtype, device=device).expand(shape) if marked else \
-                torch.zeros(shape, dtype=dtype, device=device)
+            if marked:
+                zero = torch.zeros((), dtype=dtype, device=device)
+                setattr(zero, UNMADE, True)  # the head reads no gradient from it (no wait for the device)
+                made[i] = zero.expand(shape)
+            else:
+                made[i] = torch.zeros(shape, dtype=dtype, device=device)
     return made
 
 
