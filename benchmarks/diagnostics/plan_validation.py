@@ -30,12 +30,14 @@ ROWS = (
     ("stablecode_32l_zero2_1xH100_T16384_cap40.jsonl", "498b044"),
     ("stablecode_32l_zero2_1xH100_T32768_cap40.jsonl", "498b044"),
     ("llama3_70b_80l_zero3_sim64_T8192_budget0.jsonl", "858ecda"),
-    ("hf_qwen3_8b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
+    ("hf_qwen3_8b_4l_zero2_1xH100_T8192.jsonl", "4f839f7-dirty"),  # the package tree of 94a9646
     ("hf_gemma_2_2b_4l_zero2_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
-    ("hf_qwen3_8b_4l_none_1xH100_T8192.jsonl", "4c0ccd0-dirty"),
+    ("hf_qwen3_8b_4l_none_1xH100_T8192.jsonl", "4f839f7-dirty"),
+    ("hf_qwen2_5_7b_4l_none_1xH100_T8192.jsonl", "4f839f7-dirty"),
+    ("hf_llama_3_8b_4l_none_1xH100_T8192.jsonl", "4f839f7-dirty"),
     ("hf_mistral_7b_v0_3_4l_none_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
     ("hf_phi_3_mini_4l_none_1xH100_T8192.jsonl", "498b044"),
-    ("hf_gemma_2_2b_4l_none_1xH100_T8192.jsonl", "498b044"),
+    ("hf_gemma_2_2b_4l_none_1xH100_T8192.jsonl", "4f839f7-dirty"),
     ("hf_granite_3_8b_4l_none_1xH100_T8192.jsonl", "c2c6b3f-dirty"),
 )
 GiB = 2**30
