@@ -113,7 +113,8 @@ def _functions_replaced() -> Iterator[None]:
     try:
         yield
     finally:
-        torch_autograd.ThunderFunction, torch_autograd.ThunderOutputFunction = _THUNDER_FUNCTION, _THUNDER_OUTPUT_FUNCTION
+        torch_autograd.ThunderFunction = _THUNDER_FUNCTION
+        torch_autograd.ThunderOutputFunction = _THUNDER_OUTPUT_FUNCTION
 
 
 _thunder_connect_to_autograd = torch_autograd.connect_to_autograd

@@ -230,10 +230,10 @@ def unused_logits_gradients_unmade(forward: TraceCtx, backward: TraceCtx) -> Tra
     """The forward with each output marked whose gradient its backward reads in the fused head alone
     (core.trace.unmade_cotangents): where the caller leaves that output unused, its gradient is
     never made (executors.unmade_gradients). The forward itself where there is none."""
+    cotangents = unmade_cotangents(backward)
     ret = forward.bound_symbols[-1]
     outputs = ret.args[0].get("flat_output", ()) if ret.sym.id == prims.PrimIDs.RETURN else ()
-    cotangents = unmade_cotangents(backward)
-    if len(outputs) != len(backward.args[1]):  # a position would not name the same tensor
+    if not cotangents or len(outputs) != len(backward.args[1]):  # a position would name another tensor
         return forward
     marked = [outputs[k] for k, t in sorted(cotangents.items())
               if isinstance(outputs[k], TensorProxy) and outputs[k].shape == t.shape]
