@@ -180,6 +180,80 @@ def _global_names_looked_up_directly() -> None:
     interpreter.globals_lookup = globals_lookup
 
 
+def _signatures_read_once() -> None:
+    """``Symbol.bind`` normalizes each call's arguments against its meta function's signature, which
+    ``Symbol.normalize`` reads anew with ``inspect.signature`` at every call: 202,911 reads in
+    tests/test_recompute.py's steps. A function's signature does not change once Thunder has made it
+    (where Thunder sets a ``__signature__``, it does so before the function's first use), so the
+    tests' processes read each meta function's once and bind against it as ``normalize`` does. With
+    ``_types_checked_once``: a 2-layer Llama step under MemoryOptimization took 5.86 s of CPU
+    instead of 6.32 here (the median of three steps each, alternating in one process, one thread),
+    with the same traces and bits."""
+    import inspect
+    import weakref
+
+    from thunder.core.symbol import Symbol
+
+    original = Symbol.normalize
+    if getattr(original, "_signatures_read_once", False):
+        return
+    signatures: dict[int, tuple[weakref.ref, inspect.Signature]] = {}  # id(meta): (meta, its signature)
+
+    def signature_of(meta) -> inspect.Signature:
+        known = signatures.get(id(meta))
+        if known is not None and known[0]() is meta:
+            return known[1]
+        signature = inspect.signature(meta)
+        try:
+            key = id(meta)
+            signatures[key] = (weakref.ref(meta, lambda _, key=key: signatures.pop(key, None)), signature)
+        except TypeError:  # a meta that cannot be weakly referenced: read again at each call
+            pass
+        return signature
+
+    def normalize(self, *args, **kwargs):
+        assert self.meta is not None
+        bound = signature_of(self.meta).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.args, bound.kwargs
+
+    normalize._signatures_read_once = True
+    Symbol.normalize = normalize
+
+
+def _types_checked_once() -> None:
+    """``thunder.core.pytree.tree_flatten`` checks that its argument is of a type it flattens before it
+    calls optree, building a set of some thirty types (most of them attributes of torch's, read at
+    each call) for the check, at every call: 1,663,273 calls in tests/test_recompute.py's steps. The
+    check reads the argument's type (the set, ``ProxyInterface``, ``torch.return_types``) and the
+    class attributes the namedtuple and dataclass checks read; the tests' processes run it once for
+    each type, in Thunder's function,
+    and then call optree as that function does for an argument of a type it has passed. An argument
+    of a type that has not passed goes to Thunder's function, which raises as it does. Every module
+    that imported the function gets this one (``from thunder.core.pytree import tree_flatten``)."""
+    import sys
+
+    import optree
+    import thunder.core.pytree as pytree
+
+    original = pytree.tree_flatten
+    if getattr(original, "_types_checked_once", False):
+        return
+    passed: set[type] = set()
+
+    def tree_flatten(args, namespace=pytree.OPTREE_NAMESPACE):
+        if type(args) in passed:
+            return optree.tree_flatten(args, none_is_leaf=True, namespace=namespace)
+        flat = original(args, namespace)
+        passed.add(type(args))
+        return flat
+
+    tree_flatten._types_checked_once = True
+    for module in list(sys.modules.values()):
+        if getattr(module, "tree_flatten", None) is original:
+            module.tree_flatten = tree_flatten
+
+
 def _fewer_cyclic_collections() -> None:
     """Thunder's interpreter makes millions of short-lived objects a compilation, which set off
     Python's cyclic collector every 700 allocations and a full collection (a walk over every object
@@ -205,4 +279,6 @@ def apply() -> None:
     _python_frames_without_spinning()
     _supported_nodes_checked_once()
     _global_names_looked_up_directly()
+    _signatures_read_once()
+    _types_checked_once()
     _fewer_cyclic_collections()
