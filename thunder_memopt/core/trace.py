@@ -121,8 +121,10 @@ def unmade_cotangents(backward_trace: TraceCtx) -> dict[int, TensorProxy]:
     its bytes."""
     if TraceTag.BACKWARD not in backward_trace.tags or len(backward_trace.args) < 2:
         return {}
-    position = {t.name: i for i, t in enumerate(backward_trace.args[1]) if isinstance(t, TensorProxy)}
     bsyms = [b for b in backward_trace.bound_symbols if b.sym.name not in DELETION_NAMES]
+    if not any(b.sym.name in HEAD_LOGITS_GRAD for b in bsyms):  # most backwards: no walk
+        return {}
+    position = {t.name: i for i, t in enumerate(backward_trace.args[1]) if isinstance(t, TensorProxy)}
     readers: dict[str, int] = {}
     producer: dict[str, BoundSymbol] = {}
     for b in bsyms:
