@@ -173,7 +173,7 @@ transformers_4_layers() {  # model name, its file name (hf_NAME_4l_SETUP_1xGPU_T
     local model=$1 name=$2 setup=$3
     shift 3
     CUDA_VISIBLE_DEVICES=0 bench_ranks 1 --model-source transformers --model-name "$model" --n-layer 4 \
-        --block-size 8192 --compile inductor thunder+memopt --loss-rtol 0.01 \
+        --block-size 8192 --compile inductor thunder+memopt --loss-rtol 0.01 --batches 16 \
         --out "$OUT/hf_${name}_4l_${setup}_${GPU_TAG:-$(gpu_tag)}_T8192.jsonl" "$@"
 }
 

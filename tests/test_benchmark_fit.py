@@ -189,8 +189,7 @@ def test_a_tiny_fit_row_on_cpu_and_a_check_over_its_limit_plans_again():
     # Over the limit by half of what the ladder can take off: a second plan that fits exists.
     limit, peaks = row["fit_limit_bytes"], choice.predicted_peaks
     measured = iter([limit + (peaks[0] - min(peaks)) // 2, limit])
-    step = functools.partial(training_step, session.training.loss, session.optimizer, session.input_ids,
-                             session.targets)
+    step = functools.partial(training_step, session.training.loss, session.optimizer, *session.batches[0])
     checks = session.check_fit(step, lambda: next(measured))
     assert [check.replan for check in checks] == [True, False]
     assert thunder.cache_misses(session.training.forward) == 2

@@ -314,12 +314,50 @@ def test_optimizer_flag_picks_adamws_implementation_and_both_take_the_same_step(
                                   world_size=1, optimizer=optimizer)
         session = worker.TrainingSession(trial, torch.device("cpu"), rank=0)
         assert session.optimizer.defaults[optimizer] is True
-        training_step(session.training.loss, session.optimizer, session.input_ids, session.targets)
+        training_step(session.training.loss, session.optimizer, *session.batches[0])
         weights[optimizer] = [p.detach().float().clone() for p in session.training.parameters_owner.parameters()]
     for a, b in zip(weights["foreach"], weights["fused"]):
         torch.testing.assert_close(a, b, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=worker.LEARNING_RATE / 5)
     assert "AdamW fused" in tables.heading({**TABLE_ROW, "optimizer": "fused"})
     assert "AdamW" not in tables.heading(TABLE_ROW)  # rows written before the flag: foreach
+
+
+def test_batches_flag_makes_the_steps_cycle_through_that_many_batches(monkeypatch):
+    """--batches N: the steps train on N random batches in turn, the first one the batch a run with
+    one batch trains on every step; rows name the count where it is not 1, and rows written before the
+    flag read as one batch."""
+    import torch
+
+    from benchmarks.fsdp2.cli import parse_args, resolve_defaults, trial_template
+    from thunder_memopt.models import narrow_config, random_batch, random_batches
+
+    def trial_of(argv: list[str]) -> Trial:
+        args, parser = parse_args(argv)
+        resolve_defaults(args, parser, cuda=False)
+        return trial_template(args, world_size=1)
+
+    assert trial_of(["--compile", "eager"]).workload.batches == 1
+    assert trial_of(["--compile", "eager", "--batches", "3"]).workload.batches == 3
+    config = narrow_config("stablecode-completion-alpha-3b", n_layer=1, n_embd=128, block_size=32)
+    first, second = random_batches(config, count=2, batch_size=1, seq_len=32, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(first, random_batch(config, batch_size=1, seq_len=32, seed=5)))
+    assert not torch.equal(first[0], second[0])
+
+    trained: list[torch.Tensor] = []
+    training_step = worker.training_step
+
+    def recorded_step(loss_of, optimizer, input_ids, targets):
+        trained.append(input_ids)
+        return training_step(loss_of, optimizer, input_ids, targets)
+
+    monkeypatch.setattr(worker, "training_step", recorded_step)
+    trial = _stablecode_trial(n_layer=1, n_embd=128, narrowed=True, block_size=32, distributed_mode="none",
+                              world_size=1, batches=2, warmup=1, iters=2)
+    session = worker.TrainingSession(trial, torch.device("cpu"), rank=0)
+    assert len(session.run_steps()["step_losses"]) == 3
+    assert [next(i for i, (ids, _) in enumerate(session.batches) if ids is step_ids) for step_ids in trained] == [0, 1, 0]
+    assert ", 2 random batches in turn," in tables.heading({**TABLE_ROW, "batches": 2})
+    assert "random batches" not in tables.heading(TABLE_ROW)  # rows written before the flag: one batch
 
 
 # An ok run row with the configuration fields the tables group by; tests add the rest.

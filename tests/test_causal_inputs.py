@@ -33,7 +33,7 @@ from thunder_memopt import thunderfx_backend
 from thunder_memopt.causal_inputs import is_marked_causal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.fsdp2.worker import attention_kinds, thunderfx_summary  # noqa: E402
+from benchmarks.fsdp2.compile_rows import attention_kinds, thunderfx_summary  # noqa: E402
 
 T = 16
 STEPS = 1

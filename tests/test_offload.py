@@ -346,7 +346,7 @@ def test_every_reload_but_the_first_backwards_first_finds_its_copy_prefetched(ev
 
 def test_a_row_records_what_each_offload_plan_was_made_for():
     """The benchmark's row: bytes summed over the plans, the rates, and each plan's copies on its clock."""
-    from benchmarks.fsdp2.worker import offload_fields
+    from benchmarks.fsdp2.compile_rows import offload_fields
 
     plan = _plan(OffloadMode.AUTO, FAST)
     fields = offload_fields([plan, plan])

@@ -21,7 +21,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.dynamo import ThunderCompiler
 
 from _hf import build, tokens
-from benchmarks.fsdp2.worker import attention_kinds
+from benchmarks.fsdp2.compile_rows import attention_kinds
 from thunder_memopt import thunderfx_backend
 from thunder_memopt.causal_inputs import marked_band
 from thunder_memopt.executors import window_attention

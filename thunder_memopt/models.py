@@ -85,10 +85,19 @@ def build_model(config, *, dtype: torch.dtype = torch.bfloat16, device: str | to
 
 def random_batch(config, *, batch_size: int, seq_len: int, device="cpu", seed: int = 0):
     """Token ids and next-token targets drawn from the vocabulary."""
+    return random_batches(config, count=1, batch_size=batch_size, seq_len=seq_len, device=device, seed=seed)[0]
+
+
+def random_batches(config, *, count: int, batch_size: int, seq_len: int, device="cpu",
+                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of ``random_batch``, drawn one after another from one generator: the first is
+    ``random_batch``'s with the same seed."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=g)
-    tokens = tokens.to(device)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
 
 
 class GPTWithLoss(torch.nn.Module):

@@ -7,6 +7,7 @@ transformers causal LM, per compiler backend, each row in fresh processes.
     driver     runs each trial in a fresh torchrun of the worker and appends its row to --out
     worker     one trial on every rank: build, shard, compile, train, measure
     fit_rows   what a thunder+memopt-fit row records of its plan and its checks (the fit_* fields)
+    compile_rows  what a row records of how it compiled: ThunderFX's regions, attentions, offload plans
     hf_models  the transformers models (--model-source transformers): their widths, build, FSDP2 units
     profiling  what --profile and --memory-snapshot record
     search     --find-max-block-size: the longest sequence that fits

@@ -125,7 +125,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                             "fused (none)")
     model.add_argument("--autocast", action="store_true",
                        help="bf16 torch.autocast over parameters kept in --dtype (which must then be fp32)")
-    model.add_argument("--seed", type=int, default=0, help="weights and batch (rank r's batch: seed + r)")
+    model.add_argument("--seed", type=int, default=0, help="weights and batches (rank r's batches: drawn from seed + r)")
+    model.add_argument("--batches", type=positive_int, default=1, metavar="N",
+                       help="the steps cycle through N random batches. With 1, every step trains on one batch, "
+                            "which a model can learn by heart within the warm-up (its loss then near 0, where "
+                            "rounding moves it by percents); with more batches than steps, each step's loss stays "
+                            "near log(vocabulary size)")
 
     sharding = parser.add_argument_group("sharding")
     sharding.add_argument("--distributed-mode", choices=DISTRIBUTED_MODES, default="fsdp2")
@@ -310,7 +315,8 @@ def trial_template(args: argparse.Namespace, world_size: int) -> Trial:
     return Trial(
         workload=Workload(model=args.model_name, n_layer=args.n_layer, n_embd=args.resolved_n_embd,
                           narrowed=args.n_embd is not None, block_size=args.block_size[0],
-                          micro_batch_size=args.micro_batch_size, seed=args.seed, model_source=args.model_source),
+                          micro_batch_size=args.micro_batch_size, seed=args.seed, model_source=args.model_source,
+                          batches=args.batches),
         numerics=Numerics(dtype=str(DTYPES[args.dtype]).removeprefix("torch."), autocast=args.autocast,
                           loss_mode=args.loss_mode, optimizer=args.optimizer),
         sharding=Sharding(distributed_mode=args.distributed_mode, shard_mode=args.shard_mode,

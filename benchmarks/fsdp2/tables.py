@@ -33,12 +33,12 @@ from benchmarks.fsdp2.trial import FIELD_DEFAULTS, KERNEL_NAME_CHARS, RUN_ROW, S
 # order in the headings and plot titles.
 CONFIG_FIELDS = ("model", "model_source", "n_layer", "n_embd", "vocab_size", "micro_batch_size", "dtype",
                  "distributed_mode", "shard_mode", "head_unit", "autocast", "loss_mode", "optimizer", "world_size",
-                 "simulated", "gpu", "memory_cap_gib", "allocator_settings")
+                 "simulated", "gpu", "memory_cap_gib", "allocator_settings", "batches")
 SETTING_NAMES = {"model": "", "model_source": "", "n_layer": "L=", "n_embd": "n_embd=", "vocab_size": "vocab=",
                  "micro_batch_size": "B=", "dtype": "", "distributed_mode": "", "shard_mode": "",
                  "head_unit": "head unit=", "autocast": "autocast=", "loss_mode": "loss=", "optimizer": "AdamW ",
                  "world_size": "ranks=", "simulated": "simulated=", "gpu": "", "memory_cap_gib": "cap GiB=",
-                 "allocator_settings": "allocator ", "block_size": "T="}
+                 "allocator_settings": "allocator ", "batches": "batches=", "block_size": "T="}
 GIB = 2**30
 MIB = 2**20
 MB = 10**6  # memory per token is in decimal megabytes, as the issues quote it
@@ -95,6 +95,8 @@ def heading(row: dict) -> str:
     head_unit = field_value(row, "head_unit") if row["distributed_mode"] == "fsdp2" else "root"
     adamw += {"own": ", head and final norm in FSDP2 units of their own",
               "loss": ", head and loss an FSDP2 unit of their own"}.get(head_unit, "")
+    batches = field_value(row, "batches")
+    adamw += "" if batches == FIELD_DEFAULTS["batches"] else f", {batches} random batches in turn"
     source = field_value(row, "model_source")
     model = row["model"] if source == FIELD_DEFAULTS["model_source"] else f"{source} {row['model']}"
     return (f"{model}, {row['n_layer']} layers, n_embd {row['n_embd']}, vocab {row.get('vocab_size')}, "

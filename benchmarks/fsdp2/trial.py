@@ -47,7 +47,7 @@ SEARCH_ROW = "max_block_size"
 FINAL_STATUSES = ("ok", "OOM")
 # Fields added later: rows written before them had these values.
 FIELD_DEFAULTS = {"autocast": False, "loss_mode": "in-graph", "optimizer": "foreach", "simulated": False,
-                  "model_source": "litgpt"}
+                  "model_source": "litgpt", "batches": 1}
 # The profiler's kernel names run to hundreds of characters of templates: a row keeps this many.
 KERNEL_NAME_CHARS = 90
 
@@ -62,8 +62,9 @@ class Workload:
     narrowed: bool  # n_embd came from --n-embd (narrow_config then also shrinks the vocabulary)
     block_size: int
     micro_batch_size: int
-    seed: int  # weights and batch (rank r's batch: seed + r)
+    seed: int  # weights and batches (rank r's batches: drawn from seed + r)
     model_source: str = "litgpt"  # one of MODEL_SOURCES
+    batches: int = 1  # the steps cycle through this many random batches
 
 
 @dataclasses.dataclass(frozen=True)

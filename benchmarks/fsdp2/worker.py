@@ -16,10 +16,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
+import itertools
 import json
 import os
-import re
 import resource
 import statistics
 import sys
@@ -33,19 +32,17 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from benchmarks.fsdp2 import fit_rows, hf_models, profiling, simulation, step_model
+from benchmarks.fsdp2 import compile_rows, fit_rows, hf_models, profiling, simulation, step_model
 from benchmarks.fsdp2.backends import BACKENDS, Compiled
 from benchmarks.fsdp2.trial import IN_GRAPH_LOSS_MODES, TRANSFORMERS_SOURCE, MemoryPeaks, SavedActivations, StepTimes, Trial
 from thunder_memopt.models import (DTYPES, GPTWithLoss, HeadWithLoss, build_model, narrow_config, next_token_loss,
-                                   random_batch, training_step)
+                                   random_batches, training_step)
 from thunder_memopt.executors import offload as offload_executor
 from thunder_memopt.passes.fit import FitCheck
-from thunder_memopt.passes.offload import OffloadPlan
 
 # Small, so that a handful of steps moves every backend's weights alike and the losses stay comparable.
 LEARNING_RATE = 1e-4
 ERROR_MESSAGE_CHARS = 2000  # compile errors quote whole commands; the log has the rest
-SPLIT_REASON_CHARS = 200  # of each reason ThunderFX gives for a split: the op and why
 RESULT_FILE = "result.json"
 FAILURE_FILES = "rank*.json"  # rank<N>.json
 
@@ -264,20 +261,19 @@ class TrainingSession:
             # build_model makes fp32 weights and then casts them: give that cache back, so that reserved
             # memory shows what training needs.
             torch.cuda.empty_cache()
-        # Same seed in every backend: same weights and batch, so the losses must agree.
-        self.input_ids, self.targets = random_batch(self.config, batch_size=workload.micro_batch_size,
-                                                    seq_len=workload.block_size, device=device,
-                                                    seed=workload.seed + rank)
+        # Same seed in every backend: same weights and batches, so the losses must agree.
+        self.batches = random_batches(self.config, count=workload.batches, batch_size=workload.micro_batch_size,
+                                      seq_len=workload.block_size, device=device, seed=workload.seed + rank)
 
     def run_steps(self) -> dict:
         """Warm-up steps (the first compiles; thunder+memopt-fit's last one checked against its plan, and
         one more where the check plans again), then the measured steps: their peaks, times and loss."""
         measurement, device = self.trial.measurement, self.device
-        train = functools.partial(training_step, self.training.loss, self.optimizer, self.input_ids, self.targets)
+        batches = itertools.cycle(self.batches)
         losses: list[torch.Tensor] = []  # every step's, read once at the end (no host sync per step)
 
         def step() -> torch.Tensor:
-            loss = train()
+            loss = training_step(self.training.loss, self.optimizer, *next(batches))
             losses.append(loss.detach())
             return loss
 
@@ -373,7 +369,7 @@ class TrainingSession:
         from thunder_memopt.measure import measure_saved
 
         with self.training.forward_parameters() as parameters:
-            saved = measure_saved(self.training.forward, self.input_ids, self.targets, parameters=parameters,
+            saved = measure_saved(self.training.forward, *self.batches[0], parameters=parameters,
                                   device=self.device)
             saved.output.backward()
         self.optimizer.zero_grad(set_to_none=True)
@@ -496,73 +492,6 @@ def recording_memopt_warnings() -> list[str]:
     return messages
 
 
-def offload_fields(plans: list[OffloadPlan]) -> dict[str, Any]:
-    """A row's fields for the offload plans of its compiled pairs: bytes summed over the plans, the
-    rates they were made for, and each plan's model of its copies, to hold against a --profile row's."""
-    return {
-        "offloaded_bytes": sum(plan.offloaded_bytes for plan in plans),
-        "offload_kept_bytes": sum(plan.kept_bytes for plan in plans),
-        "offload_exposed_ms": 1e3 * sum(plan.exposed_seconds for plan in plans),
-        "offload_to_host_gbps": plans[0].rates.to_host / 1e9,
-        "offload_to_device_gbps": plans[0].rates.to_device / 1e9,
-        "offload_plans": [{"offloaded_bytes": plan.offloaded_bytes, "forward_ms": 1e3 * plan.forward_seconds,
-                           "to_host_end_ms": 1e3 * plan.to_host_end_seconds, "exposed_ms": 1e3 * plan.exposed_seconds,
-                           "spilled": len(plan.spilled)}
-                          for plan in plans],
-    }
-
-
-def attention_kinds(traces: list) -> list[str]:
-    """Each attention of a Thunder region's forward traces as thunder_memopt's passes left it:
-    ``is_causal``, ``mask`` or ``neither``, or ``window`` (a mask proven a sliding window, run on
-    flash's window kernel), from the last trace that still calls torch's SDPA or the window op
-    (after the passes, before the executors claim them)."""
-    import thunder.torch as ltorch
-
-    from thunder_memopt.executors.window_attention import window_attention
-
-    sdpa = inspect.signature(ltorch.scaled_dot_product_attention.meta)
-    with_attention = [[b for b in t.bound_symbols
-                       if b.sym.id in (ltorch.scaled_dot_product_attention.id, window_attention.id)] for t in traces]
-    kinds = []
-    for b in next((calls for calls in reversed(with_attention) if calls), []):
-        if b.sym.id == window_attention.id:
-            kinds.append("window")
-            continue
-        bound = sdpa.bind(*b.args, **b.kwargs)
-        bound.apply_defaults()
-        masked, causal = bound.arguments["attn_mask"] is not None, bound.arguments["is_causal"]
-        kinds.append("mask" if masked else "is_causal" if causal else "neither")
-    return kinds
-
-
-def thunderfx_summary(compiler) -> dict[str, Any]:
-    """How ThunderFX compiled the step: dynamo's graphs, the Thunder regions in them and why the
-    graphs were split; over the regions (one serves every decoder layer or Block under fsdp2), the
-    attentions as thunder_memopt's passes left them (``attention_kinds``): with ``is_causal`` (a mask
-    proven causal where it is made, in the region or in the graph that made the region's mask
-    input, thunder_memopt.causal_inputs), on the window kernel (a mask proven a sliding window),
-    with a mask, or neither; a graph whose mask inputs come
-    marked and unmarked has a region for each; and the thunder_memopt symbols and attention kernels
-    of the last forward traces: ``memopt_cudnn_sdpa_*`` where cuDNN took attention (never on CPU),
-    ``memopt_linear_cross_entropy_*`` where the loss head fused."""
-    import thunder
-
-    attentions = {"is_causal": 0, "window": 0, "mask": 0, "neither": 0}
-    symbols: set[str] = set()
-    regions = [fn for info in compiler.subgraph_infos for fn in info.thunder_compiled_fns]
-    for fn in regions:
-        traces = thunder.last_traces(fn)
-        for kind in attention_kinds(traces):
-            attentions[kind] += 1
-        symbols.update(b.sym.name for b in traces[-1].bound_symbols
-                       if b.sym.name.startswith("memopt_") or "sdpa" in b.sym.name or "attention" in b.sym.name)
-    reasons = {re.sub(r" at 0x[0-9a-f]+", "", reason.info.splitlines()[0])[:SPLIT_REASON_CHARS]  # no addresses
-               for info in compiler.subgraph_infos for reason in info.split_reasons}
-    return {"graphs": len(compiler.subgraph_infos), "regions": len(regions), "split_reasons": sorted(reasons),
-            "attentions": attentions, "symbols": sorted(symbols)}
-
-
 def run(trial_file: Path) -> int:
     """Run the trial in ``trial_file``; rank 0 writes result.json next to it, failing ranks rank<N>.json."""
     trial = Trial.from_fields(json.loads(trial_file.read_text()))
@@ -578,11 +507,11 @@ def run(trial_file: Path) -> int:
         result["memopt_pass_s"] = training.memopt.pass_seconds
         result["memopt_donated_outputs"] = training.memopt.donated_outputs
         if training.memopt.offload_plans:
-            result.update(offload_fields(training.memopt.offload_plans))
+            result.update(compile_rows.offload_fields(training.memopt.offload_plans))
     if training.executors is not None:
         result["executors"] = [ex.name for ex in training.executors]
     if training.thunderfx is not None:
-        result["thunderfx"] = thunderfx_summary(training.thunderfx)
+        result["thunderfx"] = compile_rows.thunderfx_summary(training.thunderfx)
     if "fusion" in BACKENDS[trial.compilation.backend].own_fields:  # runs thunder_memopt's executors
         from thunder_memopt.executors import compile_stats
 
