@@ -2,7 +2,8 @@
 
 A backend's compiled code, allocator cache and peak statistics must not leak into the next
 backend's numbers, so every trial runs in new processes: ``python -m torch.distributed.run
---standalone`` of ``benchmarks.fsdp2.worker`` (a free port every time), with cold compile caches
+--standalone`` of ``benchmarks.fsdp2.worker`` (one rank: the worker alone, with torchrun's
+variables; a free port every time), with cold compile caches
 (search probes excepted) and NVLink multicast off. The driver waits for it, reads what its ranks
 wrote, and appends one JSON line: out-of-memory, errors and hangs end that row (``OOM``, ``error``,
 ``timeout``), never the run. ``--resume`` takes ok/OOM rows of identical trials from ``--out``
@@ -21,6 +22,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -122,6 +124,16 @@ def worker_environment(compile_cache: Path | None) -> dict[str, str]:
     return env
 
 
+def one_rank_variables() -> dict[str, str]:
+    """What torchrun tells its one rank, for a rank started without it (a torchrun is one more
+    process that imports torch: 2 s of CPU a row): rank 0 of 1, rendezvous on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def stop_process_group(process: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL, to the process group this driver started for one trial."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -187,15 +199,20 @@ def launch_trial(trial: Trial, log_path: Path, timeout_s: float) -> dict:
 def launch_worker(module: str, payload: dict, processes: int, log_path: Path, timeout_s: float, *,
                   cold_caches: bool = True, watch: Callable[[Path], None] | None = None) -> dict:
     """Run ``python -m module PAYLOAD_JSON`` on ``processes`` ranks of a fresh ``torch.distributed.run``
-    in a temporary directory, which holds PAYLOAD_JSON and what the ranks write; return its outcome.
+    (one rank: a fresh process with torchrun's variables, ``one_rank_variables``) in a temporary
+    directory, which holds PAYLOAD_JSON and what the ranks write; return its outcome.
     ``watch``, if given, is called with that directory while the ranks run, and once after."""
     with tempfile.TemporaryDirectory(prefix="benchmark_fsdp2_") as work:
         work_dir = Path(work)
         payload_file = work_dir / "trial.json"
         worker.write_json(payload_file, payload)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={processes}", "-m", module, str(payload_file)]
         env = worker_environment(work_dir if cold_caches else None)
+        if processes == 1:
+            command = [sys.executable, "-m", module, str(payload_file)]
+            env.update(one_rank_variables())
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={processes}", "-m", module, str(payload_file)]
         with open(log_path, "w") as log:
             log.write(f"$ {shlex.join(command)}\n")
             log.flush()
