@@ -7,7 +7,7 @@ show that nothing drifts, overflows or loses a bit over hundreds of steps (issue
 Every setting trains the same weights on the same batches of the Python standard library's source
 bytes (vocabulary 256, padded as litgpt pads), with the cross-entropy on fp32 logits inside the
 compiled model (--loss-mode), AdamW, a linear warm-up and a constant or cosine learning rate, the
-gradients clipped to a total norm (--max-grad-norm), each in a fresh torchrun (FSDP2 with one rank
+gradients clipped to a total norm (--max-grad-norm), each in fresh processes (FSDP2 with one rank
 by default). It writes every step's loss per setting to --out (JSON lines), a plot, and a report
 (--report), and prints a progress line every --progress-every steps. The report holds each
 setting's mean loss over the last --tail-steps steps against eager's, which passes within

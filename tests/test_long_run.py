@@ -1,6 +1,6 @@
 """CPU test of the long-run check (benchmarks/long_run.py, benchmarks/fsdp2/long_run*.py), end to end:
 a few steps of the narrowed stablecode (n_embd 128, one layer, T=128) on the standard library's
-bytes, each setting in its own torchrun (FSDP2, one rank, gloo), as on the GPU. (What is checked holds
+bytes, each setting in its own process (FSDP2, one rank, gloo), as on the GPU. (What is checked holds
 for any depth; one layer halves the compilation of the two thunder settings.)
 
 The settings: eager and thunder+memopt at budget 0, eager started one rounding step of one weight

@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
                             "fused (none)")
     model.add_argument("--autocast", action="store_true",
                        help="bf16 torch.autocast over parameters kept in --dtype (which must then be fp32)")
-    model.add_argument("--seed", type=int, default=0, help="weights and batches (rank r's batches: drawn from seed + r)")
+    model.add_argument("--seed", type=int, default=0,
+                       help="weights and batches (rank r's batches: drawn from seed + r)")
     model.add_argument("--batches", type=positive_int, default=1, metavar="N",
                        help="the steps cycle through N random batches. With 1, every step trains on one batch, "
                             "which a model can learn by heart within the warm-up (its loss then near 0, where "

@@ -16,7 +16,7 @@ weights, on the same batches:
   a perturbed setting first moves one weight one rounding step (``perturb_one_weight``): the control
   whose distance from its unperturbed twin measures the training's own chaos.
 
-Each setting runs in a fresh torchrun (``long_run_driver``), so that no compiled code of another
+Each setting runs in fresh processes (``long_run_driver``), so that no compiled code of another
 setting reaches it:
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m benchmarks.fsdp2.long_run RUN_JSON

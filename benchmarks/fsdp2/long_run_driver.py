@@ -1,4 +1,4 @@
-"""The long-run check's driver: each setting in a fresh torchrun of ``benchmarks.fsdp2.long_run``,
+"""The long-run check's driver: each setting in fresh processes of ``benchmarks.fsdp2.long_run``,
 a progress line every N steps, and its rows appended to --out.
 
 A setting is a backend of the registry with its budget, any trial fields it sets apart from the
@@ -215,7 +215,7 @@ class Progress:
 
 def launch(spec: long_run.RunSpec, log_path: Path, timeout_s: float,
            on_rows: Callable[[list[dict]], None]) -> tuple[dict, list[dict]]:
-    """Run ``spec`` under a fresh ``torch.distributed.run`` (``driver.launch_worker``, with cold
+    """Run ``spec`` in fresh processes (``driver.launch_worker``, with cold
     compile caches: nothing compiled for another setting reaches this one), handing ``on_rows`` each
     step's row as it comes; its outcome (``driver.trial_outcome``) and its step rows."""
     followers: dict[Path, StepFollower] = {}
