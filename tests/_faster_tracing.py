@@ -235,8 +235,8 @@ def _types_checked_once() -> None:
     each call) for the check, at every call: 1,663,273 calls in tests/test_recompute.py's steps. The
     check reads the argument's type (the set, ``ProxyInterface``, ``torch.return_types``) and the
     class attributes the namedtuple and dataclass checks read; the tests' processes run it once for
-    each type, in Thunder's function,
-    and then call optree as that function does for an argument of a type it has passed. An argument
+    each type, in Thunder's function, and then call optree as that function does for an argument of
+    a type it has passed. An argument
     of a type that has not passed goes to Thunder's function, which raises as it does. Every module
     that imported the function gets this one (``from thunder.core.pytree import tree_flatten``)."""
     import optree

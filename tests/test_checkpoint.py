@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import thunder
 import torch
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from thunder_memopt import MemoryOptimization, executors
 from thunder_memopt.models import GPTWithLoss, HeadWithLoss, build_model, narrow_config, random_batch, training_step
@@ -90,17 +90,11 @@ def test_jit_resume_continues_the_loss_curve_bit_for_bit(jit_runs):
     assert not torch.equal(jit_runs["losses"][0], jit_runs["losses"][-1])  # it trained
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp2_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(DIST / "checkpoint_worker.py"), str(out)]
+               "--master-port", str(get_free_port()), str(DIST / "checkpoint_worker.py"), str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

@@ -10,28 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 DIST = Path(__file__).parent / "dist"
 MB = 2**20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(script: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{script}.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(DIST / script), str(out),
+        "--master-addr", "127.0.0.1", "--master-port", str(get_free_port()), str(DIST / script), str(out),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import thunder
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -40,12 +40,6 @@ def _uses_fused_head(traces) -> bool:
     return any(b.sym.name.startswith(FUSED_HEAD) for t in traces for b in t.bound_symbols)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_python_block_is_run():
     blocks = re.findall(r"^```python$", README, re.MULTILINE)
     assert len(blocks) == len(SNIPPETS) == 4, (len(blocks), sorted(SNIPPETS))  # trainer: tests/test_trainer.py
@@ -57,7 +51,7 @@ def test_thunder_jit_fuses_the_head():
 
 
 def test_fsdp2_with_thunderfx_backend_fuses_the_head(monkeypatch):
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(get_free_port()), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     try:

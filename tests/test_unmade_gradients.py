@@ -43,10 +43,10 @@ def _inputs():
 
 
 def _model(via: str, logits_in_loss: bool = False):
-    via, _, head_gradients = via.partition(":")
     """The model, its call with the inputs (loss and logits), its compiled function and backend (None:
-    thunder.jit): under thunderfx_backend a narrowed transformers Llama, whose loss the pass fuses
-    (the head above traces through dynamo to log_softmax and nll_loss)."""
+    thunder.jit, ``jit:HEAD_GRADIENTS``): under thunderfx_backend a narrowed transformers Llama, whose
+    loss the pass fuses (the head above traces through dynamo to log_softmax and nll_loss)."""
+    via, _, head_gradients = via.partition(":")
     torch.manual_seed(0)
     if via == "jit":
         model = _Head(logits_in_loss)

@@ -22,7 +22,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -126,12 +125,12 @@ def worker_environment(compile_cache: Path | None) -> dict[str, str]:
 
 def one_rank_variables() -> dict[str, str]:
     """What torchrun tells its one rank, for a rank started without it (a torchrun is one more
-    process that imports torch: 2 s of CPU a row): rank 0 of 1, rendezvous on a free local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    process that imports torch: 2 s of CPU a row): rank 0 of 1, rendezvous on a free local port
+    (torchrun's own ``get_free_port``)."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            "MASTER_ADDR": "localhost", "MASTER_PORT": str(get_free_port())}
 
 
 def stop_process_group(process: subprocess.Popen) -> None:
