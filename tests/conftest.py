@@ -141,3 +141,13 @@ def _forget_dynamos_module_tags() -> Iterator[None]:
     GenerationTracker.clear()
     yield
     GenerationTracker.clear()
+
+
+@pytest.fixture(autouse=True)
+def _interpretations_shared_unless_monkeypatched(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that monkeypatches may patch a function that a model's forward calls, which changes
+    what interpreting the model gives without changing the model: its compilations neither take nor
+    keep shared interpretations (_faster_tracing._interpretations_shared_across_modules)."""
+    _faster_tracing.share_interpretations = "monkeypatch" not in request.fixturenames
+    yield
+    _faster_tracing.share_interpretations = True
