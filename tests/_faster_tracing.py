@@ -293,8 +293,8 @@ def _dataclasses_looked_for_once_per_class() -> None:
 
 
 # Whether a process shares interpretations between modules (``_interpretations_shared_across_modules``);
-# tests/conftest.py turns it off for a test that monkeypatches, where a patched function can change
-# what interpreting a module gives without changing the module.
+# tests/conftest.py turns it off for the rest of a test once it monkeypatches anything a forward may
+# call, where a patched function can change what interpreting a module gives without changing it.
 share_interpretations = True
 
 

@@ -12,7 +12,9 @@ is sorted by SECONDS, longest first, a file not listed there taking DEFAULT_SECO
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,11 +145,52 @@ def _forget_dynamos_module_tags() -> Iterator[None]:
     GenerationTracker.clear()
 
 
+# Modules of the package whose code runs in a model's forward. A test's patch of any other module of
+# the package (a pass, a stage, an executor, the fit planner) leaves what interpreting a model gives
+# as it was; no executor of the package adds a lookaside to Thunder's interpreter.
+_FORWARD_MODULES = ("thunder_memopt.models", "thunder_memopt.hf_models", "thunder_memopt.launch")
+
+
+def _beside_forwards(target: object) -> bool:
+    """Whether a monkeypatch of an attribute of ``target`` (an object, or a dotted name) leaves every
+    model's forward as it was: ``target`` belongs to thunder_memopt, outside _FORWARD_MODULES."""
+    if isinstance(target, str):
+        module = target
+    elif isinstance(target, types.ModuleType):
+        module = target.__name__
+    else:
+        module = getattr(target, "__module__", None) or ""
+    return module.startswith("thunder_memopt.") and not module.startswith(_FORWARD_MODULES)
+
+
+def _other_patches_stop_shared_interpretations() -> None:
+    """A test's monkeypatch may patch a function that a model's forward calls, which changes what
+    interpreting the model gives without changing the model. From a patch of anything but
+    thunder_memopt's own passes, stages and executors (``_beside_forwards``) to the end of the test,
+    its compilations neither take nor keep shared interpretations
+    (_faster_tracing._interpretations_shared_across_modules). The fixture below turns sharing on
+    again at each test's start: no fixture wider than a test monkeypatches."""
+
+    def stopping(method: str):
+        original = getattr(pytest.MonkeyPatch, method)
+
+        @functools.wraps(original)
+        def patch(self, *args, **kwargs):
+            if not (method in ("setattr", "delattr") and args and _beside_forwards(args[0])):
+                _faster_tracing.share_interpretations = False
+            return original(self, *args, **kwargs)
+
+        return patch
+
+    for method in ("setattr", "delattr", "setitem", "delitem", "setenv", "delenv", "syspath_prepend", "chdir"):
+        setattr(pytest.MonkeyPatch, method, stopping(method))
+
+
+_other_patches_stop_shared_interpretations()
+
+
 @pytest.fixture(autouse=True)
-def _interpretations_shared_unless_monkeypatched(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test that monkeypatches may patch a function that a model's forward calls, which changes
-    what interpreting the model gives without changing the model: its compilations neither take nor
-    keep shared interpretations (_faster_tracing._interpretations_shared_across_modules)."""
-    _faster_tracing.share_interpretations = "monkeypatch" not in request.fixturenames
+def _interpretations_shared_until_patched() -> Iterator[None]:
+    _faster_tracing.share_interpretations = True
     yield
     _faster_tracing.share_interpretations = True
