@@ -23,33 +23,39 @@ import pytest
 import _faster_tracing
 
 # Seconds of each work unit (with the files grouped with it) in a worker of `make test`: the
-# setup, call and teardown times of its tests in a run's JUnit XML (--junitxml), summed (a quiet
-# 2-core machine, 2026-12-06, commit 1f438d3: 730 s in all; test_loss_head.py's less the 18 s that
-# its saved-bytes test no longer takes since, with the head alone). A file not listed takes
-# DEFAULT_SECONDS, about the median unit's.
+# setup, call and teardown times of its tests (--durations=0), summed, in a run with an empty
+# inductor cache, as on a clean CI machine (2-core machine, 2026-12-07, commit d3ca94c: 788 s in all).
+# A file not listed (each took under 15 s) takes DEFAULT_SECONDS.
 SECONDS = {
-    "test_recompute.py": 309.0,
-    "test_loss_head.py": 150.0,
-    "test_collectives.py": 128.0,
-    "test_fusion.py": 80.0,
-    "test_benchmark_smoke.py": 71.0,
-    "test_long_run.py": 50.0,
-    "test_donate.py": 46.0,
-    "test_benchmark_hf.py": 44.0,
-    "test_schedule.py": 39.0,
-    "test_fit.py": 39.0,
-    "test_transformers.py": 39.0,
-    "test_hf_conformance.py": 38.0,
-    "test_recompute_backends.py": 37.0,
-    "test_examples.py": 35.0,
-    "test_checkpoint.py": 28.0,
-    "test_loss_head_scaled.py": 23.0,
-    "test_causal_inputs.py": 20.0,
-    "test_readme.py": 19.0,
-    "test_simulation.py": 17.0,
-    "test_fit_first_step.py": 15.0,
+    "test_recompute.py": 220.2,
+    "test_fusion.py": 125.6,
+    "test_collectives.py": 110.7,
+    "test_loss_head.py": 109.6,
+    "test_benchmark_smoke.py": 103.0,
+    "test_fit.py": 73.9,
+    "test_recompute_backends.py": 59.3,
+    "test_donate.py": 56.9,
+    "test_benchmark_hf.py": 56.1,
+    "test_long_run.py": 54.8,
+    "test_examples.py": 49.6,
+    "test_hf_conformance.py": 45.9,
+    "test_transformers.py": 36.8,
+    "test_checkpoint.py": 34.4,
+    "test_schedule.py": 25.7,
+    "test_fit_first_step.py": 23.6,
+    "test_causal_inputs.py": 22.2,
+    "test_node_checks.py": 19.9,
+    "test_offload_faults.py": 19.4,
+    "test_loss_head_scaled.py": 18.9,
+    "test_simulation.py": 18.7,
+    "test_backend_rewrites.py": 18.3,
+    "test_window_attention.py": 16.4,
+    "test_plan.py": 16.3,
+    "test_fit_refusal.py": 16.2,
+    "test_unmade_gradients.py": 15.6,
+    "test_plan_transformers.py": 15.5,
 }
-DEFAULT_SECONDS = 20.0
+DEFAULT_SECONDS = 10.0
 
 
 # A file whose tests read steps that another file's tests compute (stablecode's and Llama's plain
