@@ -372,12 +372,12 @@ def _interpretations_shared_across_modules() -> None:
         return type(results)(prologue, snapshot(results.computation_trace), snapshot(results.epilogue_trace),
                              results.interpreter_log)
 
-    def accepts(results, fn, args, kwargs) -> bool:
-        """Whether the interpretation's prologue, bound to ``fn``, passes on ``args`` and ``kwargs``."""
+    def accepts(prologue: TraceCtx, args, kwargs) -> bool:
+        """Whether ``prologue``, an interpretation's bound to the new module, passes on ``args`` and
+        ``kwargs``."""
         from thunder.common import transform_for_execution
 
         try:
-            prologue = snapshots(results, fn).prologue_trace
             runnable = transform_for_execution(prologue, executors_list=(thunder.pythonex,), use_del_last_used=False)
             runnable[-1].python_callable(include_decorators=False)(*args, **kwargs)
         except Exception:
@@ -387,8 +387,9 @@ def _interpretations_shared_across_modules() -> None:
     def thunder_general_jit(fn, args, kwargs, /, *, sharp_edges, ad_hoc_executor):
         key = candidates_key(fn, args, kwargs, sharp_edges, ad_hoc_executor)
         for results in kept.get(key, ()) if key is not None else ():
-            if accepts(results, fn, args, kwargs):
-                return snapshots(results, fn)
+            taken = snapshots(results, fn)
+            if accepts(taken.prologue_trace, args, kwargs):
+                return taken
         results = original(fn, args, kwargs, sharp_edges=sharp_edges, ad_hoc_executor=ad_hoc_executor)
         if key is not None and not ad_hoc_executor.implmap and not results.computation_trace._object_ctx:
             kept.setdefault(key, []).append(snapshots(results, None))
