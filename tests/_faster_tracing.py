@@ -104,6 +104,69 @@ def _python_frames_without_spinning() -> None:
     InterpreterFrame.get_or_make_python_frame = get_or_make_python_frame
 
 
+class _OuterFrames:
+    """``inspect.stack()`` from ``frame`` outwards, each frame read (``getframeinfo``) when indexed."""
+
+    def __init__(self, frame: types.FrameType, context: int) -> None:
+        self.frame, self.context = frame, context
+
+    def __getitem__(self, index: int):
+        import inspect
+
+        frame = self.frame
+        for _ in range(index):
+            frame = frame.f_back
+        if index < 0 or frame is None:
+            raise IndexError(index)
+        info = inspect.getframeinfo(frame, self.context)
+        return inspect.FrameInfo(frame, *info, positions=info.positions)
+
+
+def _callsite_read_alone() -> None:
+    """Each interpretation keeps the frame that called Thunder's interpreter
+    (``InterpreterRuntimeCtx.__init__``: ``inspect.stack()[2]``), and ``inspect.stack`` reads the
+    source line and module of every outer frame first: 60 to 100 frames under pytest, 1.6% of a full
+    run's sampled CPU (py-spy, 2026-12-07). The interpreter's module sees an ``inspect`` whose
+    ``stack`` reads only the frames indexed: the same FrameInfo."""
+    import inspect
+
+    import thunder.core.interpreter as interpreter
+
+    if getattr(interpreter.inspect, "_frames_read_when_indexed", False):
+        return
+    one_frame = types.ModuleType("inspect")
+    one_frame.__dict__.update(inspect.__dict__)
+    one_frame.stack = lambda context=1: _OuterFrames(sys._getframe(1), context)
+    one_frame._frames_read_when_indexed = True
+    interpreter.inspect = one_frame
+
+
+def _missing_nvml_remembered() -> None:
+    """lightning.fabric, which litgpt imports, sets PYTORCH_NVML_BASED_CUDA_CHECK=1: each
+    ``torch.cuda.is_available()`` then counts devices through NVML, torch keeps the count only once
+    CUDA is initialized, and FakeTensorMode asks at each op it dispatches. Where NVML is missing
+    each ask tries to load it again (0.5% of a full run's sampled CPU, py-spy, 2026-12-07). The tests'
+    processes remember that it failed to load and raise the same error at once."""
+    import torch.cuda
+
+    original = torch.cuda._raw_device_count_nvml
+    if getattr(original, "_missing_remembered", False):
+        return
+    missing: list[tuple] = []  # the error's arguments, once loading failed
+
+    def raw_device_count_nvml() -> int:
+        if missing:
+            raise OSError(*missing[0])
+        try:
+            return original()
+        except OSError as error:
+            missing.append(error.args)
+            raise
+
+    raw_device_count_nvml._missing_remembered = True
+    torch.cuda._raw_device_count_nvml = raw_device_count_nvml
+
+
 class _IsaCheckLoadsInProcess:
     """``subprocess`` as inductor's ISA checks see it, but for ``check_call``: see
     ``_isa_extension_checks_in_process``."""
@@ -309,7 +372,8 @@ def _interpretations_shared_across_modules() -> None:
     which checks every value the forward read of the module and its config, passes on the new
     module and inputs. Each taker gets its own copy of the traces' lists and name sets, with the
     prologue bound to its own module, so that what follows (the transforms, the passes) runs as on a
-    fresh interpretation; one that made symbols on the compilation's own executor is not kept.
+    fresh interpretation; one that gave a temporary executor (the compilation's own, and one an earlier
+    compilation passed on) symbols is not kept.
 
     The files of tests/test_recompute.py's work unit in one process: 223.7 s of CPU before, 175.6
     after. Six steps of Llama and stablecode, plain and under MemoryOptimization, gave the same
@@ -322,6 +386,7 @@ def _interpretations_shared_across_modules() -> None:
     from thunder.core.compile_data import get_compile_data
     from thunder.core.pytree import tree_flatten
     from thunder.core.trace import TraceCtx
+    from thunder.extend import TemporaryExecutor
 
     original = thunder.thunder_general_jit
     if getattr(original, "_shared", False):
@@ -333,7 +398,13 @@ def _interpretations_shared_across_modules() -> None:
             return None  # DTensors, fake and other subclasses: not shared
         return t.shape, t.stride(), t.dtype, t.device, t.requires_grad, type(t)
 
-    def candidates_key(fn, args, kwargs, sharp_edges, ad_hoc_executor) -> tuple | None:
+    def unused(executor) -> bool:
+        """A temporary executor with no operators and no lookasides: each compilation's own (its ad
+        hoc executor), and one that an earlier ``thunder.jit`` put in the list (thunder's ``fsdp``
+        compiles a jitted module again with the first compilation's executors)."""
+        return isinstance(executor, TemporaryExecutor) and not executor.implmap and not executor._lookasides
+
+    def candidates_key(fn, args, kwargs, sharp_edges) -> tuple | None:
         if not share_interpretations or not isinstance(fn, torch.nn.Module):
             return None
         leaves, spec = tree_flatten((args, kwargs))
@@ -350,7 +421,7 @@ def _interpretations_shared_across_modules() -> None:
                  *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
         return (tuple((name, type(m)) for name, m in fn.named_modules(remove_duplicate=False)), tensor_keys,
                 str(spec), tuple(repr(leaf) for leaf in leaves if not isinstance(leaf, torch.Tensor)), modes,
-                tuple("ad hoc" if ex is ad_hoc_executor else ex for ex in cd.executors_list),
+                tuple("unused" if unused(ex) else ex for ex in cd.executors_list),
                 repr(cd.compile_options), sharp_edges, cd.cache_option, cd.disable_torch_autograd_support)
 
     def snapshot(trace: TraceCtx) -> TraceCtx:
@@ -385,13 +456,14 @@ def _interpretations_shared_across_modules() -> None:
         return True
 
     def thunder_general_jit(fn, args, kwargs, /, *, sharp_edges, ad_hoc_executor):
-        key = candidates_key(fn, args, kwargs, sharp_edges, ad_hoc_executor)
+        key = candidates_key(fn, args, kwargs, sharp_edges)
         for results in kept.get(key, ()) if key is not None else ():
             taken = snapshots(results, fn)
             if accepts(taken.prologue_trace, args, kwargs):
                 return taken
         results = original(fn, args, kwargs, sharp_edges=sharp_edges, ad_hoc_executor=ad_hoc_executor)
-        if key is not None and not ad_hoc_executor.implmap and not results.computation_trace._object_ctx:
+        temporaries = [ex for ex in get_compile_data().executors_list if isinstance(ex, TemporaryExecutor)]
+        if key is not None and all(map(unused, temporaries)) and not results.computation_trace._object_ctx:
             kept.setdefault(key, []).append(snapshots(results, None))
         return results
 
@@ -422,6 +494,8 @@ def apply() -> None:
     _decode_each_code_object_once()
     _provenance_records_without_checks()
     _python_frames_without_spinning()
+    _callsite_read_alone()
+    _missing_nvml_remembered()
     _supported_nodes_checked_once()
     _global_names_looked_up_directly()
     _signatures_read_once()
