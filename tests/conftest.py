@@ -8,12 +8,17 @@ pytest 9.2 it silently does not group: pytest-xdist issue 1386.) Work units are 
 collection order (--no-loadscope-reorder), each to the worker that runs out of work first; a long
 unit handed out last would run alone at the end while the other worker idles, so the collection
 is sorted by SECONDS, longest first, a file not listed there taking DEFAULT_SECONDS.
+
+Also here: the torchrun job that test_collectives.py and test_checkpoint.py read (torchrun_job), and
+what keeps the tests' processes fast and their compilations independent (_faster_tracing.py).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,43 +29,38 @@ import _faster_tracing
 
 # Seconds of each work unit (with the files grouped with it) in a worker of `make test`: the
 # setup, call and teardown times of its tests (--durations=0), summed, in a run with an empty
-# inductor cache, as on a clean CI machine (2-core machine, 2026-12-07, commit d3ca94c: 788 s in all).
+# inductor cache, as on a clean CI machine (2-core machine, 2026-12-07: 680 s in all).
 # A file not listed (each took under 15 s) takes DEFAULT_SECONDS.
 SECONDS = {
-    "test_recompute.py": 220.2,
-    "test_fusion.py": 125.6,
-    "test_collectives.py": 110.7,
-    "test_loss_head.py": 109.6,
-    "test_benchmark_smoke.py": 103.0,
-    "test_fit.py": 73.9,
-    "test_recompute_backends.py": 59.3,
-    "test_donate.py": 56.9,
-    "test_benchmark_hf.py": 56.1,
-    "test_long_run.py": 54.8,
-    "test_examples.py": 49.6,
-    "test_hf_conformance.py": 45.9,
-    "test_transformers.py": 36.8,
-    "test_checkpoint.py": 34.4,
-    "test_schedule.py": 25.7,
-    "test_fit_first_step.py": 23.6,
-    "test_causal_inputs.py": 22.2,
-    "test_node_checks.py": 19.9,
-    "test_offload_faults.py": 19.4,
-    "test_loss_head_scaled.py": 18.9,
-    "test_simulation.py": 18.7,
-    "test_backend_rewrites.py": 18.3,
-    "test_window_attention.py": 16.4,
-    "test_plan.py": 16.3,
-    "test_fit_refusal.py": 16.2,
-    "test_unmade_gradients.py": 15.6,
-    "test_plan_transformers.py": 15.5,
+    "test_recompute.py": 185.5,
+    "test_loss_head.py": 125.2,
+    "test_collectives.py": 96.3,
+    "test_benchmark_smoke.py": 81.5,
+    "test_fusion.py": 74.3,
+    "test_fit.py": 61.8,
+    "test_long_run.py": 57.0,
+    "test_donate.py": 52.6,
+    "test_hf_conformance.py": 48.9,
+    "test_recompute_backends.py": 47.9,
+    "test_transformers.py": 47.6,
+    "test_benchmark_hf.py": 45.9,
+    "test_examples.py": 34.4,
+    "test_schedule.py": 24.0,
+    "test_fit_first_step.py": 22.9,
+    "test_unmade_gradients.py": 18.5,
+    "test_node_checks.py": 18.2,
+    "test_loss_head_scaled.py": 18.0,
+    "test_readme.py": 17.9,
+    "test_causal_inputs.py": 17.9,
 }
 DEFAULT_SECONDS = 10.0
 
 
 # A file whose tests read steps that another file's tests compute (stablecode's and Llama's plain
-# and default steps at two layers): its tests run in that file's worker, after that file's.
-SHARES_STEPS_WITH = {"test_memory.py": "test_recompute.py", "test_offload.py": "test_recompute.py"}
+# and default steps at two layers), or the torchrun job another file's tests read (torchrun_job):
+# its tests run in that file's worker, after that file's.
+SHARES_STEPS_WITH = {"test_memory.py": "test_recompute.py", "test_offload.py": "test_recompute.py",
+                     "test_checkpoint.py": "test_collectives.py"}
 
 
 def work_unit(nodeid: str) -> str:
@@ -193,6 +193,24 @@ def _other_patches_stop_shared_interpretations() -> None:
 
 
 _other_patches_stop_shared_interpretations()
+
+
+@pytest.fixture(scope="session")
+def torchrun_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of one torchrun job of tests/dist/all_workers.py on two gloo ranks, for the
+    files that read it (test_collectives.py, test_checkpoint.py: one work unit): every worker's
+    report in reports.json, the checkpoint worker's files under checkpoint/. One job, since each
+    rank's start and imports cost seconds."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    out = tmp_path_factory.mktemp("torchrun_job")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(get_free_port()), str(Path(__file__).with_name("dist") / "all_workers.py"),
+               str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out
 
 
 @pytest.fixture(autouse=True)

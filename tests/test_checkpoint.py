@@ -5,27 +5,22 @@ With ``executors(fusion=False)`` every op runs as plain Thunder runs it, so a re
 an uninterrupted one exactly: the loss of every step after the checkpoint, and the weights and
 optimizer state at the end. Two ways in: ``thunder.jit`` on one device (``torch.save`` of the
 state dicts), and FSDP2 under ``torch.compile(backend=thunderfx_backend(...))`` on two gloo
-processes (``torch.distributed.checkpoint`` of the sharded state dicts; tests/dist/checkpoint_worker.py),
-whose checkpoint a plain, unsharded model reads after ``dcp_to_torch_save``.
+processes (``torch.distributed.checkpoint`` of the sharded state dicts; tests/dist/checkpoint_worker.py
+in conftest.torchrun_job), whose checkpoint a plain, unsharded model reads after ``dcp_to_torch_save``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import thunder
 import torch
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from thunder_memopt import MemoryOptimization, executors
 from thunder_memopt.models import GPTWithLoss, HeadWithLoss, build_model, narrow_config, random_batch, training_step
 
-DIST = Path(__file__).parent / "dist"
 # One Block: saving, loading and resuming are checked the same at any depth.
 CONFIG = narrow_config("stablecode-completion-alpha-3b", n_layer=1, n_embd=128, block_size=64)
 SEQ_LEN = 64
@@ -91,25 +86,24 @@ def test_jit_resume_continues_the_loss_curve_bit_for_bit(jit_runs):
 
 
 @pytest.fixture(scope="module")
-def fsdp2_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp2")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(get_free_port()), str(DIST / "checkpoint_worker.py"), str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return out
+def fsdp2_run(torchrun_job) -> Path:
+    """The checkpoint worker's directory in the torchrun job (conftest.torchrun_job)."""
+    return torchrun_job / "checkpoint"
 
 
-def test_fsdp2_resume_continues_the_loss_curve_bit_for_bit(fsdp2_run):
-    result = json.loads((fsdp2_run / "result.json").read_text())
+@pytest.fixture(scope="module")
+def result(torchrun_job) -> dict:
+    return json.loads((torchrun_job / "reports.json").read_text())["checkpoint"]
+
+
+def test_fsdp2_resume_continues_the_loss_curve_bit_for_bit(result):
     assert result["world_size"] == 2
     assert result["resumed"] == result["losses"][SAVED_AFTER:]  # floats from .item(): equal bits
     assert result["same_final_state"]  # every rank's parameter shards and AdamW state
     assert result["losses"][0] != result["losses"][-1]
 
 
-def test_fsdp2_checkpoint_loads_into_a_plain_unsharded_model(fsdp2_run, tmp_path):
+def test_fsdp2_checkpoint_loads_into_a_plain_unsharded_model(fsdp2_run, result, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(fsdp2_run / "dcp", tmp_path / "checkpoint.pt")
@@ -121,7 +115,6 @@ def test_fsdp2_checkpoint_loads_into_a_plain_unsharded_model(fsdp2_run, tmp_path
     for name, value in plain.state_dict().items():
         assert torch.equal(value, full[name]), name
     # Rank 0's loss of the step after the checkpoint, from the weights of the checkpoint.
-    result = json.loads((fsdp2_run / "result.json").read_text())
     with torch.no_grad():
         eager = plain(*random_batch(CONFIG, batch_size=1, seq_len=SEQ_LEN, seed=100 * SAVED_AFTER))
     assert eager.item() == pytest.approx(result["losses"][SAVED_AFTER], rel=EAGER_RTOL)

@@ -2,40 +2,23 @@
 litgpt models, and a transformers one under FSDP2.
 
 Each worker under tests/dist/ runs the untransformed and the transformed step and reports what it
-saw; tests/dist/collectives_worker.py runs the three in one torchrun job and writes their reports to
-JSON; these tests assert on them and print the estimated peaks.
+saw; tests/dist/all_workers.py runs them in one torchrun job (conftest.torchrun_job) and writes
+their reports to JSON; these tests assert on them and print the estimated peaks.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.utils.distributed import get_free_port
 
-DIST = Path(__file__).parent / "dist"
 MB = 2**20
 
 
-def _torchrun(script: str, tmp_path: Path) -> dict:
-    out = tmp_path / f"{script}.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(get_free_port()), str(DIST / script), str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict:
-    """Each worker's report, from one torchrun job (the processes' start and imports cost seconds)."""
-    return _torchrun("collectives_worker.py", tmp_path_factory.mktemp("collectives"))
+def reports(torchrun_job) -> dict:
+    """Each worker's report, from the torchrun job (conftest.torchrun_job)."""
+    return json.loads((torchrun_job / "reports.json").read_text())
 
 
 @pytest.fixture(scope="module")

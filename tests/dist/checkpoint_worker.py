@@ -7,9 +7,10 @@ model and the optimizer with torch.distributed.checkpoint (the sharded state dic
 ``get_model_state_dict`` / ``get_optimizer_state_dict``), and goes on to STEPS. Rank 0 also writes
 the full state dict of the model at the checkpoint (``full_state_dict=True``), for the test to hold
 a plain model's load against. Then a fresh model, sharded and compiled again, loads the checkpoint
-and trains the remaining steps on the same batches. Writes, from rank 0, to argv[1] (a directory):
-``result.json`` with both runs' losses and whether every rank's parameter shards and optimizer
-state ended bit for bit equal; ``dcp/``, the checkpoint; ``full.pt``.
+and trains the remaining steps on the same batches. ``report(out)`` writes ``dcp/``, the checkpoint,
+and ``full.pt`` under the directory ``out`` and gives both runs' losses and whether every rank's
+parameter shards and optimizer state ended bit for bit equal (run on its own, rank 0 writes that to
+``result.json`` in the directory argv[1]).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def all_ranks(value: bool) -> bool:
     return bool(flag.item())
 
 
-def main(out: Path) -> None:
-    dist.init_process_group("gloo")
+def report(out: Path) -> dict:
+    """Both runs (the process group initialized), the checkpoint and ``full.pt`` written under ``out``."""
     model, compiled, optimizer = build()
     losses = train(compiled, optimizer, range(SAVED_AFTER))
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
@@ -91,8 +92,13 @@ def main(out: Path) -> None:
     set_optimizer_state_dict(model, optimizer, state["optim"])
     resumed = train(compiled, optimizer, range(SAVED_AFTER, STEPS))
     same = all(torch.equal(a, b) for a, b in zip(uninterrupted, local_state(model, optimizer), strict=True))
-    finish(str(out / "result.json"), {"world_size": dist.get_world_size(), "losses": losses, "resumed": resumed,
-                                      "same_final_state": all_ranks(same)})
+    return {"world_size": dist.get_world_size(), "losses": losses, "resumed": resumed,
+            "same_final_state": all_ranks(same)}
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    finish(str(out / "result.json"), report(out))
 
 
 if __name__ == "__main__":

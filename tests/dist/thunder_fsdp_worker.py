@@ -2,7 +2,7 @@
 
 ``report`` gives, for each strategy, losses, the largest sharded-gradient difference (gathered from
 every rank), trace facts and estimated peaks; run on its own, rank 0 writes them as JSON to the path
-given as argv[1]. tests/test_collectives.py asserts on them (through collectives_worker.py).
+given as argv[1]. tests/test_collectives.py asserts on them (through all_workers.py).
 """
 
 from __future__ import annotations
