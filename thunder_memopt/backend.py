@@ -28,7 +28,6 @@ from thunder.extend import Executor, get_executor
 from thunder_memopt.causal_inputs import compile_with_causal_inputs
 from thunder_memopt.executors import cudnn_attention_ex, executors
 from thunder_memopt.graph_rewrites import rewrite_for_thunder
-from thunder_memopt.node_checks import checks_kept
 from thunder_memopt.transform import MemoryOptimization
 
 __all__ = ["THUNDER_OPTIONS", "loss_type_warning_skipped_when_compiling", "thunderfx_backend"]
@@ -113,7 +112,11 @@ def thunderfx_backend(
     ``thunder_options``: thunder.jit's options and Thunder's
     compile options (``THUNDER_OPTIONS``), passed on; ``transforms`` run after ``memory_optimization``.
     """
+    # thunder.dynamo (with torch.utils.benchmark and setuptools: 0.2 s) is imported where a backend is made,
+    # not with the package, which thunder.jit's users import too.
     from thunder.dynamo import ThunderCompiler
+
+    from thunder_memopt.node_checks import checks_kept
 
     loss_type_warning_skipped_when_compiling()  # before dynamo traces the model
     if memory_optimization is not None and not isinstance(memory_optimization, MemoryOptimization):

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
+import torch
+
 from benchmarks.fsdp2 import backends, plots, step_model, tables, worker
 from benchmarks.fsdp2.trial import (FINAL_STATUSES, HOST_MEMORY_FIELDS, MEMORY_FIELDS, RUN_ROW, Trial, field_value,
                                     load_rows)
@@ -45,11 +47,14 @@ TORCHRUN_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE
 # the environment says otherwise.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Querying the GPU creates a CUDA context; done in a child so the long-lived driver holds no GPU memory.
+# torch.cuda.is_available() creates none: where it sees no GPU, the driver starts no probe (a process
+# that imports torch, 2.6 s of CPU) and takes CPU_ENVIRONMENT.
 ENVIRONMENT_PROBE = (
     "import json, torch; cuda = torch.cuda.is_available(); "
     "print(json.dumps({'cuda': cuda, 'gpu': torch.cuda.get_device_name(0) if cuda else 'cpu', "
     "'gpu_memory_bytes': torch.cuda.get_device_properties(0).total_memory if cuda else None}))"
 )
+CPU_ENVIRONMENT = {"cuda": False, "gpu": "cpu", "gpu_memory_bytes": None}
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 
@@ -87,8 +92,10 @@ def git_tree_hash(directory: Path) -> str:
 
 def describe_environment() -> dict[str, Any]:
     """The device, the versions, and which thunder_memopt the workers import (this repository's)."""
-    probe = subprocess.run([sys.executable, "-c", ENVIRONMENT_PROBE], capture_output=True, text=True, check=True)
-    found = json.loads(probe.stdout.strip().splitlines()[-1])
+    found = CPU_ENVIRONMENT
+    if torch.cuda.is_available():
+        probe = subprocess.run([sys.executable, "-c", ENVIRONMENT_PROBE], capture_output=True, text=True, check=True)
+        found = json.loads(probe.stdout.strip().splitlines()[-1])
     commit = subprocess.run(["git", "-C", str(REPOSITORY), "describe", "--always", "--dirty"],
                             capture_output=True, text=True)
     try:
