@@ -47,8 +47,9 @@ TORCHRUN_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE
 # the environment says otherwise.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Querying the GPU creates a CUDA context; done in a child so the long-lived driver holds no GPU memory.
-# torch.cuda.is_available() creates none: where it sees no GPU, the driver starts no probe (a process
-# that imports torch, 2.6 s of CPU) and takes CPU_ENVIRONMENT.
+# torch.cuda.device_count() counts through NVML, without CUDA (one H100, 2026-12-07: no process on the
+# GPU, 0 MiB used): where it finds none, the driver starts no probe (a process that imports torch,
+# 2.6 s of CPU) and takes CPU_ENVIRONMENT.
 ENVIRONMENT_PROBE = (
     "import json, torch; cuda = torch.cuda.is_available(); "
     "print(json.dumps({'cuda': cuda, 'gpu': torch.cuda.get_device_name(0) if cuda else 'cpu', "
@@ -93,7 +94,7 @@ def git_tree_hash(directory: Path) -> str:
 def describe_environment() -> dict[str, Any]:
     """The device, the versions, and which thunder_memopt the workers import (this repository's)."""
     found = CPU_ENVIRONMENT
-    if torch.cuda.is_available():
+    if torch.cuda.device_count() > 0:
         probe = subprocess.run([sys.executable, "-c", ENVIRONMENT_PROBE], capture_output=True, text=True, check=True)
         found = json.loads(probe.stdout.strip().splitlines()[-1])
     commit = subprocess.run(["git", "-C", str(REPOSITORY), "describe", "--always", "--dirty"],
