@@ -115,7 +115,7 @@ class _OuterFrames:
 
         frame = self.frame
         for _ in range(index):
-            frame = frame.f_back
+            frame = frame and frame.f_back
         if index < 0 or frame is None:
             raise IndexError(index)
         info = inspect.getframeinfo(frame, self.context)
