@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import functools
 import gc
+import inspect
 import os
 import subprocess
 import sys
@@ -111,8 +112,6 @@ class _OuterFrames:
         self.frame, self.context = frame, context
 
     def __getitem__(self, index: int):
-        import inspect
-
         frame = self.frame
         for _ in range(index):
             frame = frame and frame.f_back
@@ -128,8 +127,6 @@ def _callsite_read_alone() -> None:
     source line and module of every outer frame first: 60 to 100 frames under pytest, 1.6% of a full
     run's sampled CPU (py-spy, 2026-12-07). The interpreter's module sees an ``inspect`` whose
     ``stack`` reads only the frames indexed: the same FrameInfo."""
-    import inspect
-
     import thunder.core.interpreter as interpreter
 
     if getattr(interpreter.inspect, "_frames_read_when_indexed", False):
@@ -252,7 +249,6 @@ def _signatures_read_once() -> None:
     ``_types_checked_once``: a 2-layer Llama step under MemoryOptimization took 5.86 s of CPU
     instead of 6.32 here (the median of three steps each, alternating in one process, one thread),
     with the same traces and bits."""
-    import inspect
     import weakref
 
     from thunder.core.symbol import Symbol
