@@ -10,11 +10,13 @@ from __future__ import annotations
 import _thread
 import functools
 import gc
+import importlib.machinery
 import inspect
 import os
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 
 
 def _decode_each_code_object_once() -> None:
@@ -190,15 +192,49 @@ def _isa_extension_checks_in_process() -> None:
     cpu_vec_isa.subprocess = _IsaCheckLoadsInProcess()
 
 
+class AfterImport:
+    """A finder that finds one module as the path finder does, and calls ``then(module)`` once the
+    module has been executed (insert it at the front of ``sys.meta_path``)."""
+
+    def __init__(self, name: str, then: Callable) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            execute(module)
+            self.then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def _supported_nodes_checked_once() -> None:
     """ThunderCompiler's splitter checks each node of each dynamo graph for whether Thunder runs it;
     the same nodes come again: each layer's, and each graph that a test compiles twice (plain
     ThunderCompiler and thunderfx_backend). thunderfx_backend keeps the checks that passed during its
     own compiles (thunder_memopt.node_checks); the tests' processes keep them for plain
-    ThunderCompiler's too."""
-    from thunder_memopt.node_checks import keep_checks
+    ThunderCompiler's too, from thunder.dynamo's import on: a process that never imports it (the
+    benchmark's eager trials, the long-run check's eager settings) is spared the import, 0.4 s of
+    CPU here."""
 
-    keep_checks()
+    def keep(_module=None) -> None:
+        from thunder_memopt.node_checks import keep_checks
+
+        keep_checks()
+
+    if "thunder.dynamo" in sys.modules:
+        keep()
+    elif not any(isinstance(finder, AfterImport) and finder.name == "thunder.dynamo" for finder in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport("thunder.dynamo", keep))
 
 
 def _global_names_looked_up_directly() -> None:
@@ -325,7 +361,12 @@ def _dataclasses_looked_for_once_per_class() -> None:
     registering such a class at its first leaf in the same order, and skip the check for a leaf of a
     type that is not a dataclass (its instances, and classes, are never registered). A 2-layer Llama
     step under MemoryOptimization with the two settings above: 5.71 s of CPU instead of 5.87 (the
-    median of three steps each, alternating in one process, one thread), the same traces and bits."""
+    median of three steps each, alternating in one process, one thread), the same traces and bits.
+
+    Where nothing was registered and the tree holds only Python's own containers (no
+    ``CustomTreeNode`` in its spec: no dataclass, ``torch.Size`` or slice, whose rebuilding can give
+    another structure), rebuilding and flattening again gives the same leaves and an equal spec; for
+    such a spec, once the root's type has passed Thunder's check, the first flatten is the result."""
     import dataclasses
     import optree
     import thunder.core.pytree as pytree
@@ -334,18 +375,30 @@ def _dataclasses_looked_for_once_per_class() -> None:
     if getattr(original, "_looked_for_once_per_class", False):
         return
     nothing_to_register: set[type] = set()
+    plain_specs: dict = {}  # spec -> whether it holds Python's own containers alone
+    checked_roots: set[type] = set()  # root types that have passed Thunder's check
 
     def tree_flatten_with_dataclass(tree):
         leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=pytree.OPTREE_NAMESPACE)
+        registered = False
         for leaf in leaves:
             if type(leaf) in nothing_to_register:
                 continue
             if pytree._maybe_register_dataclass(leaf):  # as Thunder's map does
                 pytree.register_pytree_node_dataclass(leaf.__class__)
                 pytree._registered_dataclasses.add(leaf.__class__)
+                registered = True
             elif not dataclasses.is_dataclass(type(leaf)):  # nor will any leaf of its type be
                 nothing_to_register.add(type(leaf))
-        return pytree.tree_flatten(optree.tree_unflatten(spec, leaves), namespace=pytree.OPTREE_NAMESPACE)
+        plain = not registered and plain_specs.get(spec)
+        if plain is None:
+            plain = plain_specs[spec] = "CustomTreeNode(" not in repr(spec)
+        if plain and type(tree) in checked_roots:
+            return leaves, spec
+        flat = pytree.tree_flatten(optree.tree_unflatten(spec, leaves), namespace=pytree.OPTREE_NAMESPACE)
+        if plain:
+            checked_roots.add(type(tree))
+        return flat
 
     tree_flatten_with_dataclass._looked_for_once_per_class = True
     _replaced_in_every_module("tree_flatten_with_dataclass", original, tree_flatten_with_dataclass)
