@@ -9,12 +9,14 @@ See benchmarks/README.md for the options, the rows and the committed runs, and
 benchmarks/make_table.py for tables and plots.
 """
 
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.fsdp2, thunder_memopt
-
-from benchmarks.fsdp2.cli import main  # noqa: E402
-
 if __name__ == "__main__":
+    if int(os.environ.get("RANK", "0")) != 0:
+        sys.exit(0)  # under torchrun, rank 0 drives (the trials start their own ranks): no imports here
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: benchmarks.fsdp2, thunder_memopt
+    from benchmarks.fsdp2.cli import main
+
     sys.exit(main())

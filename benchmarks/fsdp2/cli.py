@@ -367,8 +367,6 @@ def sweep_trials(args: argparse.Namespace, template: Trial) -> list[Trial]:
 
 def main(argv: list[str] | None = None) -> int:
     args, parser = parse_args(argv)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # under torchrun, rank 0 drives; the trials start their own ranks
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc_per_node))
     environment = driver.describe_environment()
     resolve_defaults(args, parser, environment["cuda"], environment["gpu_memory_bytes"])
