@@ -351,6 +351,7 @@ def _types_checked_once() -> None:
         return flat
 
     tree_flatten._types_checked_once = True
+    tree_flatten.types_passed = passed
     _replaced_in_every_module("tree_flatten", original, tree_flatten)
 
 
@@ -377,7 +378,7 @@ def _dataclasses_looked_for_once_per_class() -> None:
         return
     nothing_to_register: set[type] = set()
     plain_specs: dict = {}  # spec -> whether it holds Python's own containers alone
-    checked_roots: set[type] = set()  # root types that have passed Thunder's check
+    types_passed = pytree.tree_flatten.types_passed  # the types that passed Thunder's check (_types_checked_once)
 
     def tree_flatten_with_dataclass(tree):
         leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=pytree.OPTREE_NAMESPACE)
@@ -394,12 +395,9 @@ def _dataclasses_looked_for_once_per_class() -> None:
         plain = not registered and plain_specs.get(spec)
         if plain is None:
             plain = plain_specs[spec] = "CustomTreeNode(" not in repr(spec)
-        if plain and type(tree) in checked_roots:
+        if plain and type(tree) in types_passed:
             return leaves, spec
-        flat = pytree.tree_flatten(optree.tree_unflatten(spec, leaves), namespace=pytree.OPTREE_NAMESPACE)
-        if plain:
-            checked_roots.add(type(tree))
-        return flat
+        return pytree.tree_flatten(optree.tree_unflatten(spec, leaves), namespace=pytree.OPTREE_NAMESPACE)
 
     tree_flatten_with_dataclass._looked_for_once_per_class = True
     _replaced_in_every_module("tree_flatten_with_dataclass", original, tree_flatten_with_dataclass)
