@@ -17,14 +17,12 @@ from pathlib import Path
 FASTER_TRACING = Path(__file__).resolve().parents[1] / "_faster_tracing.py"
 
 
-def _faster_tracing():
+def _load_faster_tracing():
     """tests/_faster_tracing.py, as the module that `import _faster_tracing` finds in tests/dist's workers."""
-    if "_faster_tracing" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("_faster_tracing", FASTER_TRACING)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["_faster_tracing"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["_faster_tracing"]
+    spec = importlib.util.spec_from_file_location("_faster_tracing", FASTER_TRACING)
+    module = sys.modules["_faster_tracing"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _without_transformers_and_matplotlib(imports) -> None:
@@ -33,6 +31,7 @@ def _without_transformers_and_matplotlib(imports) -> None:
     imports._MATPLOTLIB_AVAILABLE = False
 
 
-AfterImport = _faster_tracing().AfterImport
-sys.meta_path[:0] = [AfterImport("thunder", lambda thunder: _faster_tracing().apply()),
+_faster_tracing = _load_faster_tracing()
+AfterImport = _faster_tracing.AfterImport
+sys.meta_path[:0] = [AfterImport("thunder", lambda thunder: _faster_tracing.apply()),
                      AfterImport("torchmetrics.utilities.imports", _without_transformers_and_matplotlib)]
